@@ -1,0 +1,132 @@
+"""The process the launcher starts: torchrun's own agent, run in-process and made leak-proof.
+
+    python -m gpucourse.agent EXIT_FILE -- <torchrun arguments>
+
+is `torchrun <torchrun arguments>` (same parser, same elastic agent, same rendezvous), plus:
+- it becomes a *child subreaper*, so workers orphaned by a crashing agent are re-parented here and
+  can still be found and killed (torchrun starts workers in sessions of their own);
+- it stops the job when its own parent (the notebook kernel, the shell) dies, even by SIGKILL;
+- after the job, it kills anything still alive below it (torchrun can exit without escalating to
+  SIGKILL when a second signal arrives during its graceful shutdown);
+- it writes EXIT_FILE (JSON): every failed rank's exit code, and the root cause as torchrun saw it;
+- with `--logs-specs gpucourse --log-dir DIR`, workers log to `DIR/attempt<k>/rank<r>.{stdout,stderr}`,
+  named by *global* rank.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .procs import descendants, terminate
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+GRACE_S = 3.0
+
+
+def _prctl(option: int, value: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the launcher's own cleanup still applies
+        pass
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        terminate(descendants(os.getpid()), GRACE_S)
+        os._exit(143)
+
+    threading.Thread(target=watch, name="gpucourse-agent-watchdog", daemon=True).start()
+
+
+def _rank_logs_specs():
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest
+
+    class RankLogs(DefaultLogsSpecs):
+        """One stdout/stderr/error file per rank, named by global rank, one folder per restart attempt."""
+
+        def reify(self, envs):
+            attempt = next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0")
+            folder = Path(self.root_log_dir) / f"attempt{attempt}"
+            folder.mkdir(parents=True, exist_ok=True)
+            dest = LogsDest()
+            for local_rank, env in envs.items():
+                stem = folder / f"rank{env['RANK']}"
+                dest.stdouts[local_rank] = f"{stem}.stdout"
+                dest.stderrs[local_rank] = f"{stem}.stderr"
+                dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = f"{stem}.error.json"
+            return dest
+
+    return RankLogs
+
+
+def _failure_record(rank: int, failure) -> dict:
+    message = failure.message
+    if isinstance(message, dict):
+        info = message.get("extraInfo", {})
+        message = {"message": message.get("message", ""), "traceback": info.get("py_callstack", "")}
+    return {"rank": rank, "local_rank": failure.local_rank, "exitcode": failure.exitcode, "pid": failure.pid,
+            "signal": failure.signal_name(), "timestamp": failure.timestamp, "message": message}
+
+
+PEER_REPORTS = ("remote worker", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _root_rank(failures) -> int:
+    """The rank that failed first *by itself*.
+
+    torchrun orders by timestamps of one-second resolution, so ties are common. Ranks killed by a
+    signal (torchrun stopping the survivors) and ranks that only report a peer's death (gloo:
+    "typically caused by a remote worker crashing") come after a rank that failed on its own.
+    """
+    def key(item):
+        rank, f = item
+        peer_report = any(text in json.dumps(f.message) for text in PEER_REPORTS)
+        return (f.exitcode < 0, peer_report, f.timestamp, not isinstance(f.message, dict), rank)
+
+    return min(failures.items(), key=key)[0]
+
+
+def main(argv: list[str]) -> int:
+    exit_file, torchrun_args = Path(argv[0]), argv[argv.index("--") + 1:]
+    parent = os.getppid()
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the launcher died before we could watch it
+        return 143
+    _stop_when_orphaned(parent)
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    default_specs = torchrun._get_logs_specs_class
+    torchrun._get_logs_specs_class = lambda name: _rank_logs_specs() if name == "gpucourse" else default_specs(name)
+    record, code = {"status": "ok", "failures": []}, 0
+    try:
+        torchrun.run(torchrun.parse_args(torchrun_args))
+    except ChildFailedError as err:
+        root_rank = _root_rank(err.failures)
+        record = {"status": "failed", "root_rank": root_rank,
+                  "failures": [_failure_record(r, f) for r, f in sorted(err.failures.items())]}
+        code = 1
+    except BaseException as err:  # SignalException, rendezvous errors, bad torchrun arguments
+        record = {"status": "agent_error", "failures": [], "message": f"{type(err).__name__}: {err}"}
+        code = getattr(err, "sigval", None) and 128 + int(err.sigval) or 1
+        print(f"gpucourse agent: {type(err).__name__}: {err}", file=sys.stderr)
+    finally:
+        terminate(descendants(os.getpid()), GRACE_S)
+        tmp = exit_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(exit_file)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

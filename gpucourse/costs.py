@@ -1,0 +1,280 @@
+"""Back-of-the-envelope cost models used throughout the course.
+
+Everything here is arithmetic: no GPUs, no torch. The point is to predict a
+number *before* measuring it, so that a measurement that disagrees with the
+model tells you something. Sizes are in bytes, times in seconds.
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Bus-bandwidth factors from NVIDIA nccl-tests (doc/PERFORMANCE.md). busbw =
+# algbw * factor is the traffic through the busiest link of a ring, so it is
+# comparable across collectives and GPU counts, and to the hardware link rate.
+_BUSBW = {"all_reduce": lambda n: 2 * (n - 1) / n,
+          **dict.fromkeys(["all_gather", "reduce_scatter", "all_to_all"], lambda n: (n - 1) / n),
+          **dict.fromkeys(["broadcast", "reduce", "send_recv", "p2p"], lambda n: 1.0)}
+COLLECTIVES = tuple(_BUSBW)
+
+
+def _require(ok, message):
+    """Raise ValueError(message) unless ok: every check names the bad argument."""
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_stage(stage):
+    _require(stage in (0, 1, 2, 3), f"stage must be 0, 1, 2 or 3, got {stage!r}")
+
+
+def _check_nonneg(value, name):
+    _require(value >= 0, f"{name} must be >= 0, got {value}")
+
+
+# --- 1. nccl-tests bandwidth definitions -------------------------------------
+
+def algbw(size_bytes, seconds):
+    """Algorithm bandwidth: buffer size / time, as nccl-tests prints it."""
+    _check_nonneg(size_bytes, "size_bytes")
+    _require(seconds > 0, f"seconds must be > 0, got {seconds}")
+    return size_bytes / seconds
+
+
+def busbw_factor(collective, n):
+    """busbw / algbw for `collective` on `n` ranks (nccl-tests convention).
+
+    Size convention (as in nccl-tests): for all_gather the size is the *output*
+    (total, n shards) buffer; for reduce_scatter it is the *input* (total)
+    buffer; for all_reduce / broadcast / reduce it is the one buffer.
+    """
+    _require(collective in _BUSBW, f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
+    _require(n >= 1, f"n (number of ranks) must be >= 1, got {n}")
+    return _BUSBW[collective](n)
+
+
+def busbw(collective, size_bytes, seconds, n):
+    """Bus bandwidth: compare this, not algbw, with the link's rated speed."""
+    return algbw(size_bytes, seconds) * busbw_factor(collective, n)
+
+
+# --- 2. bytes on the wire ----------------------------------------------------
+
+def bytes_moved_per_rank(collective, size_bytes, n):
+    """Bytes each rank sends in a bandwidth-optimal (ring / pipelined) algorithm.
+
+    This is exactly busbw_factor * size -- which is *why* nccl-tests defines
+    busbw that way. A ring all_reduce is a reduce_scatter then an all_gather,
+    each sending (n-1)/n of the buffer, hence 2(n-1)/n. One rank moves nothing.
+    """
+    _check_nonneg(size_bytes, "size_bytes")
+    factor = busbw_factor(collective, n)
+    return 0.0 if n == 1 else factor * size_bytes
+
+
+# --- 3. alpha-beta (latency-bandwidth) model ----------------------------------
+
+def collective_time(collective, size_bytes, n, alpha, beta, algorithm="ring"):
+    """Predicted time: (#sequential messages) * alpha + (bytes sent) * beta.
+
+    alpha = per-message latency (s); beta = seconds per byte (1 / bandwidth).
+    ring: a ring all_reduce takes 2(n-1) steps, all_gather / reduce_scatter /
+    all_to_all / pipelined broadcast and reduce take n-1, send_recv one.
+    tree: depth ceil(log2 n); all_reduce = reduce up + broadcast down, giving
+    2*log2(n)*alpha + 2*S*beta. This assumes the tree is pipelined so each
+    rank sends ~S bytes each way -- a simplification of what NCCL does.
+    """
+    busbw_factor(collective, n)  # validates collective and n
+    _check_nonneg(size_bytes, "size_bytes")
+    _check_nonneg(alpha, "alpha")
+    _check_nonneg(beta, "beta")
+    if n == 1:
+        return 0.0
+    if algorithm == "ring":
+        steps = {"all_reduce": 2 * (n - 1), "send_recv": 1, "p2p": 1}.get(collective, n - 1)
+        return steps * alpha + bytes_moved_per_rank(collective, size_bytes, n) * beta
+    if algorithm == "tree":
+        passes = {"all_reduce": 2, "broadcast": 1, "reduce": 1}.get(collective)
+        _require(passes, f"algorithm='tree' supports all_reduce, broadcast, reduce; got {collective!r}")
+        return passes * (math.ceil(math.log2(n)) * alpha + size_bytes * beta)
+    raise ValueError(f"algorithm must be 'ring' or 'tree', got {algorithm!r}")
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """Fitted latency alpha (s) and inverse bandwidth beta (s/byte).
+
+    It remembers the collective it was fitted on, so predict() reproduces
+    the measurements; a bare AlphaBeta(a, b) is a single link: a + S*b.
+    """
+    alpha: float
+    beta: float
+    collective: str = "send_recv"
+    n: int = 2
+    algorithm: str = "ring"
+
+    @property
+    def bandwidth(self):
+        """1/beta in bytes/s (inf if beta == 0)."""
+        return math.inf if self.beta == 0 else 1.0 / self.beta
+
+    def predict(self, size_bytes):
+        return collective_time(self.collective, size_bytes, self.n, self.alpha, self.beta, self.algorithm)
+
+    def __str__(self):
+        return f"α = {self.alpha * 1e6:.1f} µs, β⁻¹ = {self.bandwidth / 1e9:.1f} GB/s"
+
+
+def fit_alpha_beta(sizes_bytes, times_s, collective="all_reduce", *, n, algorithm="ring"):
+    """Fit alpha, beta to measured (size, time) pairs by least squares.
+
+    The model is linear in alpha and beta: t = a*alpha + b*S*beta, with a and
+    b read off collective_time. We minimise *relative* error (rows weighted by
+    1/t): timing noise is roughly proportional to t, and with plain least
+    squares the 256 MiB points would drown out the small ones that set alpha.
+    Negative alpha or beta is unphysical (noise), so if the free fit goes
+    negative we refit with that coefficient pinned at 0.
+    """
+    s, t = np.asarray(sizes_bytes, dtype=float), np.asarray(times_s, dtype=float)
+    _require(s.ndim == 1 and s.shape == t.shape,
+             f"sizes_bytes and times_s must be 1-D and the same length, got {s.shape}, {t.shape}")
+    _require(len(np.unique(s)) >= 2, "sizes_bytes needs at least 2 distinct sizes to separate alpha from beta")
+    _require(np.all(t > 0), "times_s must all be > 0")
+    _require(n >= 2, f"n must be >= 2 to fit (one rank does no communication), got {n}")
+    a = collective_time(collective, 0, n, 1.0, 0.0, algorithm)  # number of latency terms
+    b = collective_time(collective, 1, n, 0.0, 1.0, algorithm)  # bytes sent per buffer byte
+    X = np.column_stack([np.full_like(s, a), b * s]) / t[:, None]  # weighted rows; target is 1
+    y = np.ones_like(t)
+    coef = np.linalg.lstsq(X, y, rcond=None)[0]
+    if np.any(coef < 0):  # optimum on the boundary: best single-coefficient fit
+        cands = [np.array([0.0, X[:, 1] @ y / (X[:, 1] @ X[:, 1])]),
+                 np.array([X[:, 0] @ y / (X[:, 0] @ X[:, 0]), 0.0])]
+        coef = min(cands, key=lambda c: np.sum((X @ c - y) ** 2))
+    return AlphaBeta(float(coef[0]), float(coef[1]), collective, n, algorithm)
+
+
+# --- 4. interconnect presets -------------------------------------------------
+
+@dataclass(frozen=True)
+class Interconnect:
+    """A named link: latency alpha (s) and bandwidth per direction (bytes/s).
+
+    Nominal, not measured: vendor link rates and typical small-message NCCL
+    latencies. Measure your own machine (chapter on benchmarking) and fit.
+    """
+    name: str
+    alpha: float
+    bandwidth_bytes_per_s: float
+    source: str
+
+    @property
+    def beta(self):
+        return 1.0 / self.bandwidth_bytes_per_s
+
+
+_NOMINAL = "nominal vendor link rate per direction, typical latency; not measured"
+INTERCONNECTS = {ic.name: ic for ic in [
+    Interconnect("NVLink 4 (H100 SXM)", 3e-6, 450e9, _NOMINAL + " (900 GB/s bidirectional per GPU)"),
+    Interconnect("NVLink 3 (A100 SXM)", 3e-6, 300e9, _NOMINAL + " (600 GB/s bidirectional per GPU)"),
+    Interconnect("PCIe 5 x16", 5e-6, 64e9, _NOMINAL),
+    Interconnect("PCIe 4 x16", 5e-6, 32e9, _NOMINAL),
+    Interconnect("InfiniBand NDR 400G", 6e-6, 50e9, _NOMINAL),
+    Interconnect("InfiniBand HDR 200G", 7e-6, 25e9, _NOMINAL),
+    Interconnect("100 GbE", 30e-6, 12.5e9, _NOMINAL + " (TCP sockets)"),
+]}
+
+
+# --- 5. ZeRO memory and communication -----------------------------------------
+
+def zero_memory_bytes(num_params, dp_degree, stage, *, param_bytes=2, grad_bytes=2,
+                      optimizer_bytes=12, offload=False):
+    """Model-state bytes per GPU under ZeRO (Rajbhandari et al., 2019).
+
+    Mixed-precision Adam keeps fp16 params (2), fp16 grads (2) and fp32
+    master params + momentum + variance (12): 16 bytes/param. Each stage
+    shards one more of these over the dp_degree ranks:
+      stage 0 (plain DP) 16Ψ; 1: 4Ψ + 12Ψ/N; 2: 2Ψ + 14Ψ/N; 3: 16Ψ/N.
+    offload=True (ZeRO-Offload, stage >= 1): optimizer states live in CPU
+    memory, and from stage 2 the gradient shards too; only GPU bytes are
+    returned. Activations and buffers are not counted.
+    """
+    _check_nonneg(num_params, "num_params")
+    _require(dp_degree >= 1, f"dp_degree must be >= 1, got {dp_degree}")
+    _check_stage(stage)
+    _require(stage >= 1 or not offload, "offload=True needs stage >= 1 (ZeRO-Offload shards the optimizer)")
+    P, G, O = param_bytes, grad_bytes, optimizer_bytes
+    if offload:
+        O = 0
+        G = 0 if stage >= 2 else G
+    sharded = {0: 0, 1: O, 2: G + O, 3: P + G + O}[stage]
+    replicated = P + G + O - sharded
+    return num_params * (replicated + sharded / dp_degree)
+
+
+def zero_comm_volume(num_params, stage, bytes_per_elem=2):
+    """Bytes each rank communicates per step, following the ZeRO paper.
+
+    DP and stages 1-2 do a reduce-scatter + all-gather (= one all-reduce):
+    2Ψ elements (the paper rounds 2(N-1)/N to 2). Stage 3 must all-gather
+    parameters again for the backward pass: 3Ψ, i.e. 1.5x data parallel.
+    """
+    _check_nonneg(num_params, "num_params")
+    _check_stage(stage)
+    return (3 if stage == 3 else 2) * num_params * bytes_per_elem
+
+
+# --- 6. pipeline parallelism -------------------------------------------------
+
+def pipeline_bubble_fraction(p, m):
+    """Idle fraction of a GPipe/1F1B schedule: (p-1)/(m+p-1).
+
+    p stages, m micro-batches: p-1 slots to fill and drain the pipe out of
+    m+p-1 in total. More micro-batches shrink the bubble.
+    """
+    _require(p >= 1, f"p (pipeline stages) must be >= 1, got {p}")
+    _require(m >= 1, f"m (micro-batches) must be >= 1, got {m}")
+    return (p - 1) / (m + p - 1)
+
+
+# --- 7. DDP step time ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class DDPStep:
+    compute: float  # forward + backward, seconds
+    comm: float     # total all-reduce time over all buckets
+    exposed: float  # communication not hidden behind compute
+    step: float     # compute + exposed
+    num_buckets: int
+
+    @property
+    def efficiency(self):
+        """Fraction of the step spent computing."""
+        return self.compute / self.step if self.step else 1.0
+
+
+def ddp_step_time(compute_s, grad_bytes, n, alpha, beta, *, bucket_bytes=25 * 2**20, overlap=True):
+    """A simple model of one DDP step: compute + exposed communication.
+
+    Gradients are all-reduced in buckets (ring) as backward produces them.
+    With overlap, the buckets hide behind backward except the last one, which
+    is only ready when backward ends -- and nothing can hide more than the
+    compute there is: exposed = max(last bucket, comm - compute). Without
+    overlap, all of comm is exposed.
+    """
+    _check_nonneg(compute_s, "compute_s")
+    _check_nonneg(grad_bytes, "grad_bytes")
+    _require(bucket_bytes > 0, f"bucket_bytes must be > 0, got {bucket_bytes}")
+    full, rest = divmod(grad_bytes, bucket_bytes)
+    buckets = [bucket_bytes] * int(full) + ([rest] if rest else [])
+    times = [collective_time("all_reduce", b, n, alpha, beta) for b in buckets]
+    comm = sum(times)
+    last = times[-1] if times else 0.0
+    exposed = max(last, comm - compute_s) if overlap else comm
+    return DDPStep(compute_s, comm, exposed, compute_s + exposed, len(buckets))
+
+
+def scaling_efficiency(single_step_s, step_s):
+    """Weak-scaling efficiency (per-rank batch fixed): 1.0 means perfect."""
+    _require(single_step_s > 0, f"single_step_s must be > 0, got {single_step_s}")
+    _require(step_s > 0, f"step_s must be > 0, got {step_s}")
+    return single_step_s / step_s

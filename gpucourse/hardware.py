@@ -1,0 +1,138 @@
+"""What this machine can run: CPUs, GPUs, interconnect, backends, and where we are (Colab, Kaggle, Slurm).
+
+`gpu_count()` is cheap (no torch import) because the launcher calls it before every run;
+`hardware_report()` imports torch and asks it everything.
+"""
+from __future__ import annotations
+
+import html
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs this process may use. Uses torch if it is already imported, else the driver's /proc."""
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    proc = Path("/proc/driver/nvidia/gpus")
+    present = len(list(proc.iterdir())) if proc.is_dir() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    ids = [v for v in visible.split(",") if v.strip() and not v.strip().startswith("-")]
+    return min(present, len(ids))
+
+
+def mpi_available() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_mpi_available()
+
+
+def default_nproc() -> int:
+    """What a chapter should launch by default: one rank per GPU, else 2 CPU ranks (4 with ≥4 cores)."""
+    gpus = gpu_count()
+    return gpus if gpus else (4 if (os.cpu_count() or 1) >= 4 else 2)
+
+
+def platform_name() -> str:
+    if "COLAB_RELEASE_TAG" in os.environ or "COLAB_GPU" in os.environ:
+        return "Google Colab"
+    if "KAGGLE_KERNEL_RUN_TYPE" in os.environ:
+        return "Kaggle"
+    if "SLURM_JOB_ID" in os.environ:
+        return f"Slurm job {os.environ['SLURM_JOB_ID']} ({os.environ.get('SLURM_JOB_NUM_NODES', '?')} node(s))"
+    return "local machine"
+
+
+@dataclass
+class HardwareReport:
+    cpus: int
+    cpu_model: str
+    memory_gib: float
+    gpus: list[dict] = field(default_factory=list)
+    topology: str | None = None
+    backends: dict[str, bool] = field(default_factory=dict)
+    platform: str = "local machine"
+    torch_version: str = ""
+    cuda_version: str | None = None
+    nccl_version: str | None = None
+
+    @property
+    def chosen_backend(self) -> str:
+        return "nccl" if self.gpus and self.backends.get("nccl") else "gloo"
+
+    @property
+    def chosen_nproc(self) -> int:
+        return len(self.gpus) if self.gpus else (4 if self.cpus >= 4 else 2)
+
+    def rows(self) -> list[tuple[str, str]]:
+        gpus = "; ".join(f"{g['index']}: {g['name']} ({g['memory_gib']:.0f} GiB, sm_{g['capability']})"
+                         for g in self.gpus) or "none (CPU only: multi-rank runs use gloo on CPU processes)"
+        backends = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in self.backends.items())
+        return [("platform", self.platform), ("CPUs", f"{self.cpus} × {self.cpu_model}"),
+                ("memory", f"{self.memory_gib:.1f} GiB"), ("GPUs", gpus),
+                ("torch", f"{self.torch_version} (CUDA {self.cuda_version or '—'}, NCCL {self.nccl_version or '—'})"),
+                ("backends", backends),
+                ("launcher default", f"backend={self.chosen_backend}, nproc={self.chosen_nproc}")]
+
+    def __str__(self) -> str:
+        width = max(len(k) for k, _ in self.rows())
+        text = "\n".join(f"{k:<{width}}  {v}" for k, v in self.rows())
+        return text + (f"\n\nGPU topology (nvidia-smi topo -m):\n{self.topology}" if self.topology else "")
+
+    def _repr_html_(self) -> str:
+        body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
+                       f"{html.escape(v)}</td></tr>" for k, v in self.rows())
+        topo = f"<pre>{html.escape(self.topology)}</pre>" if self.topology else ""
+        return f"<table>{body}</table>{topo}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
+def _topology() -> str | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def hardware_report() -> HardwareReport:
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"index": i, "name": p.name, "memory_gib": p.total_memory / 2**30,
+                         "capability": f"{p.major}{p.minor}"})
+    nccl = None
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    return HardwareReport(
+        cpus=os.cpu_count() or 1, cpu_model=_cpu_model(), memory_gib=psutil.virtual_memory().total / 2**30,
+        gpus=gpus, topology=_topology() if gpus else None,
+        backends={"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available() and bool(gpus),
+                  "mpi": dist.is_mpi_available()},
+        platform=platform_name(), torch_version=torch.__version__, cuda_version=torch.version.cuda,
+        nccl_version=nccl)

@@ -1,0 +1,190 @@
+"""Live views of a running job: plain text (terminal, papermill, CI) or an ipywidgets panel (JupyterLab).
+
+Both are fed by the launcher's monitor loop with batches of whole lines and metric records, so the
+widget sends one bounded update per pane per batch (never `with out:` from a thread, never an
+ever-growing output list that a chatty rank could turn into a frozen browser tab).
+"""
+from __future__ import annotations
+
+import collections
+import html
+import os
+import sys
+import time
+
+from .tail import Line
+
+LIVE_ENV = "GPUCOURSE_LIVE"  # "widget", "text" or "off": overrides the automatic choice
+
+
+class Progress:
+    """Steps reported by the ranks; the bar follows the slowest rank, which is what the job waits for."""
+
+    def __init__(self, world_size: int):
+        self.step: dict[int, int] = {}
+        self.total: int | None = None
+        self.world_size = world_size
+
+    def update(self, records: list[dict]) -> None:
+        for rec in records:
+            if "total" in rec:
+                self.total = int(rec["total"])
+            if "step" in rec:
+                self.step[rec["rank"]] = int(rec["step"])
+
+    @property
+    def done(self) -> int | None:
+        if not self.step:
+            return None
+        slowest = min(self.step.values()) if len(self.step) == self.world_size else 0
+        return slowest + 1
+
+    def text(self) -> str:
+        if self.done is None:
+            return ""
+        return f"step {self.done}/{self.total}" if self.total else f"step {self.done}"
+
+
+class TextView:
+    """Whole lines, prefixed by rank, printed from the caller's thread (so they land in the right cell)."""
+
+    def __init__(self, header: str, world_size: int):
+        self.progress = Progress(world_size)
+        self._shown_decile = -1
+        print(header, flush=True)
+
+    def update(self, lines: list[Line], records: list[dict], status: str) -> None:
+        for ln in lines:
+            if ln.rank is None:
+                continue  # torchrun's own chatter goes to the run directory, not the screen
+            stream = sys.stderr if ln.stream == "stderr" else sys.stdout
+            print(f"[rank {ln.rank}] {ln.text}", file=stream)
+        self.progress.update(records)
+        total, done = self.progress.total, self.progress.done
+        if total and done is not None:
+            decile = min(10, 10 * done // total)
+            if decile != self._shown_decile and decile in (0, 5, 10):
+                self._shown_decile = decile
+                print(f"[progress] {self.progress.text()}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+    def finish(self, result, interrupted: bool = False) -> None:
+        print(result.summary(), flush=True)
+
+
+class WidgetView:
+    """A status line, a progress bar, and tabs: all ranks together, then one pane per rank."""
+
+    MAX_LINES = 200
+    FLUSH_EVERY_S = 0.15
+
+    def __init__(self, header: str, world_size: int):
+        import ipywidgets as w
+        from IPython.display import display
+
+        self.w, self.world_size = w, world_size
+        self.progress = Progress(world_size)
+        self.status = w.HTML(self._status_html(header, "running"))
+        self.bar = w.IntProgress(value=0, min=0, max=1, description="steps", bar_style="info",
+                                 layout=w.Layout(width="60%"))
+        self.bar_label = w.Label("")
+        layout = w.Layout(max_height="260px", overflow="auto", border="1px solid #ddd")
+        self.panes = [w.Output(layout=layout) for _ in range(world_size + 1)]
+        self.buffers = [collections.deque(maxlen=self.MAX_LINES * (2 if i == 0 else 1))
+                        for i in range(world_size + 1)]
+        self.dirty: set[int] = set()
+        self.tabs = w.Tab(children=self.panes)
+        for i, title in enumerate(["all ranks"] + [f"rank {r}" for r in range(world_size)]):
+            self.tabs.set_title(i, title)
+        self.header = header
+        self.started = time.monotonic()
+        self._last_flush = 0.0
+        self.box = w.VBox([self.status, w.HBox([self.bar, self.bar_label]), self.tabs])
+        display(self.box)
+
+    @staticmethod
+    def _status_html(header: str, state: str, colour: str = "#1565c0") -> str:
+        return f"<b style='color:{colour}'>{html.escape(state)}</b> — {html.escape(header)}"
+
+    def update(self, lines: list[Line], records: list[dict], status: str) -> None:
+        for ln in lines:
+            if ln.rank is None or ln.rank >= self.world_size:
+                continue
+            self.buffers[0].append(f"[rank {ln.rank}] {ln.text}")
+            self.buffers[ln.rank + 1].append(ln.text)
+            self.dirty.update((0, ln.rank + 1))
+        self.progress.update(records)
+        if time.monotonic() - self._last_flush >= self.FLUSH_EVERY_S:
+            self._flush(status)
+
+    def _flush(self, status: str) -> None:
+        for i in sorted(self.dirty):
+            text = "\n".join(self.buffers[i]) + "\n"
+            # Replace the whole (bounded) output in one message instead of appending forever.
+            self.panes[i].outputs = ({"output_type": "stream", "name": "stdout", "text": text},)
+        self.dirty.clear()
+        if self.progress.total:
+            self.bar.max = self.progress.total
+            self.bar.value = min(self.progress.done or 0, self.progress.total)
+        self.bar_label.value = self.progress.text()
+        elapsed = time.monotonic() - self.started
+        self.status.value = self._status_html(f"{self.header} — {elapsed:.1f} s", status)
+        self._last_flush = time.monotonic()
+
+    def finish(self, result, interrupted: bool = False) -> None:
+        self._flush("interrupted" if interrupted else result.status)
+        if result.ok:
+            self.bar.bar_style = "success"
+            if not self.progress.total:
+                self.bar.max, self.bar.value = 1, 1
+        else:
+            self.bar.bar_style = "danger"
+        colour = "#2e7d32" if result.ok else "#c62828"
+        state = "interrupted" if interrupted else {"ok": "finished"}.get(result.status, result.status)
+        text = result.summary().splitlines()[0]
+        self.status.value = self._status_html(text, state, colour)
+        if result.error:
+            # The root cause first, where the eye goes: the failing rank's traceback.
+            self.box.children = (self.status, self.w.HTML(
+                f"<pre style='color:{colour};white-space:pre-wrap'>{html.escape(str(result.error))}</pre>"),
+                *self.box.children[1:])
+            if result.error.rank is not None:
+                self.tabs.selected_index = result.error.rank + 1
+
+
+class SilentView:
+    def __init__(self, header: str, world_size: int):
+        pass
+
+    def update(self, lines, records, status):
+        pass
+
+    def finish(self, result, interrupted: bool = False):
+        pass
+
+
+def in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def make_view(live, header: str, world_size: int):
+    """live: True/None (auto), False, or 'widget' / 'text' / 'off'."""
+    mode = live if isinstance(live, str) else ("off" if live is False else os.environ.get(LIVE_ENV, "auto"))
+    if mode == "auto":
+        mode = "widget" if in_notebook() else "text"
+    if mode == "widget":
+        try:
+            return WidgetView(header, world_size)
+        except ImportError:
+            mode = "text"
+    if mode == "text":
+        return TextView(header, world_size)
+    if mode == "off":
+        return SilentView(header, world_size)
+    raise ValueError(f"live must be 'widget', 'text', 'off', True or False, not {live!r}")

@@ -1,0 +1,244 @@
+"""The in-script runtime: what every course script calls inside each rank.
+
+    from gpucourse import runtime
+    ctx = runtime.setup(seed=0)          # process group, device, watchdog, error capture
+    for step in range(steps):
+        ...
+        runtime.log(step=step, total=steps, loss=loss.item())
+    runtime.teardown()
+
+It works the same under `gpucourse.launch` (which tells it the run directory through
+$GPUCOURSE_RUN_DIR) and under plain `torchrun` (it then picks `runs/<script>-<run id>/`).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .paths import RUN_DIR_ENV, runs_root, slug
+
+BACKEND_ENV = "GPUCOURSE_BACKEND"
+DEVICE_ENV = "GPUCOURSE_DEVICE"
+
+
+@dataclass(frozen=True)
+class Context:
+    """Who this process is in the job, and where it computes."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    backend: str
+    device: torch.device
+    run_dir: Path
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_ctx: Context | None = None
+_metrics_file = None
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def default_run_dir() -> Path:
+    """Run directory shared by all ranks of one job, also when started by plain torchrun."""
+    if os.environ.get(RUN_DIR_ENV):
+        return Path(os.environ[RUN_DIR_ENV])
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    # Ranks of one node share their agent (parent) process; "none" is torchrun's static-rendezvous id.
+    tag = run_id[:8] if run_id not in ("", "none") else f"agent{os.getppid()}"
+    return runs_root() / f"{slug(Path(sys.argv[0]).stem)}-torchrun-{tag}"
+
+
+def choose_backend(local_world_size: int) -> str:
+    """NCCL when every local rank gets a GPU of its own; gloo otherwise (CPU, or ranks sharing GPUs)."""
+    requested = os.environ.get(BACKEND_ENV, "auto")
+    if requested != "auto":
+        return requested
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if os.environ.get(DEVICE_ENV) != "cpu" and gpus >= local_world_size > 0 else "gloo"
+
+
+def _choose_device(backend: str, local_rank: int) -> torch.device:
+    if os.environ.get(DEVICE_ENV) == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    # With gloo, several ranks may share one GPU: deal them round-robin.
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def _watch_parent(interval: float = 0.5) -> None:
+    """Exit when the torchrun agent that started us disappears.
+
+    torchrun starts workers in their own session, so a killed notebook kernel or agent never
+    signals them; without this thread they would live on (and keep ports) forever.
+    """
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                os._exit(143)
+
+    threading.Thread(target=watch, name="gpucourse-parent-watchdog", daemon=True).start()
+
+
+def _record_uncaught_exceptions() -> None:
+    """Write an uncaught exception to torchrun's per-rank error file, so the launcher can name the root cause.
+
+    Same JSON layout as torch.distributed.elastic's @record decorator, written from sys.excepthook so
+    that scripts need no decorator.
+    """
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if path and not issubclass(exc_type, KeyboardInterrupt):
+            data = {"message": {"message": f"{exc_type.__name__}: {exc}", "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
+                "timestamp": str(int(time.time()))}}}
+            with contextlib.suppress(OSError):
+                Path(path).write_text(json.dumps(data))
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+
+
+def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: float | None = None) -> Context:
+    """Join the job torchrun started: process group, device, seeds, watchdog. Returns the Context.
+
+    seed: seeds python, numpy and torch with `seed + rank` (or `seed` on every rank if not seed_per_rank).
+    timeout_s: collective timeout; short values turn a hang into a clear error (default: torch's).
+    """
+    global _ctx
+    if _ctx is not None:
+        return _ctx
+    if "RANK" not in os.environ:
+        # Run as a plain `python script.py`: a one-rank job, so every script also runs by itself.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "0"))
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    world_size, local_world = _env_int("WORLD_SIZE", 1), _env_int("LOCAL_WORLD_SIZE", 1)
+    _watch_parent()
+    _record_uncaught_exceptions()
+    backend = choose_backend(local_world)
+    device = torch.device("cuda", local_rank) if backend == "nccl" else _choose_device(backend, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    if os.environ.get("MASTER_PORT") == "0":  # single process without torchrun: no rendezvous needed
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
+    else:
+        dist.init_process_group(backend, **kwargs)
+    if seed is not None:
+        seed_everything(seed + (rank if seed_per_rank else 0))
+    run_dir = default_run_dir()
+    _ctx = Context(rank, local_rank, world_size, local_world, _env_int("GROUP_RANK", 0), backend, device, run_dir)
+    _write_record({"event": "setup", "world_size": world_size, "backend": backend, "device": str(device),
+                   "pid": os.getpid(), "host": os.uname().nodename})
+    return _ctx
+
+
+def context() -> Context:
+    if _ctx is None:
+        raise RuntimeError("gpucourse.runtime.setup() has not been called in this process")
+    return _ctx
+
+
+def _write_record(record: dict) -> None:
+    global _metrics_file
+    ctx = context()
+    if _metrics_file is None:
+        path = ctx.run_dir / "metrics" / f"rank{ctx.rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _metrics_file = open(path, "a", buffering=1)  # line-buffered: the launcher tails it live
+    _metrics_file.write(json.dumps({"rank": ctx.rank, "time": time.time(), **record}) + "\n")
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    return value
+
+
+def log(step: int | None = None, *, total: int | None = None, **metrics) -> None:
+    """Record metrics for this rank (one JSON line). `step`/`total` drive the launcher's progress bar."""
+    record = {k: _plain(v) for k, v in metrics.items()}
+    if step is not None:
+        record["step"] = int(step)
+    if total is not None:
+        record["total"] = int(total)
+    _write_record(record)
+
+
+@contextlib.contextmanager
+def profile(*, wait: int = 1, warmup: int = 1, active: int = 3, record_shapes: bool = False, name: str | None = None):
+    """Profile the steps of a loop; call `prof.step()` once per step. Writes traces/rank<r>.json.
+
+    The schedule (skip `wait` steps, warm up, record `active`) puts ProfilerStep#N markers in the
+    trace, which the trace analysis uses to cut time into steps.
+    """
+    from torch.profiler import ProfilerActivity, schedule
+
+    ctx = context()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    out = ctx.run_dir / "traces" / f"{name or 'rank'}{ctx.rank}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def export(prof):
+        prof.export_chrome_trace(str(out))
+
+    with torch.profiler.profile(activities=activities, record_shapes=record_shapes, on_trace_ready=export,
+                                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1)) as prof:
+        yield prof
+
+
+def teardown() -> None:
+    """Leave the job cleanly: flush metrics, destroy the process group."""
+    global _ctx, _metrics_file
+    if _metrics_file is not None:
+        _metrics_file.close()
+        _metrics_file = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _ctx = None
+
+
+@contextlib.contextmanager
+def session(**kwargs):
+    """`with runtime.session(seed=0) as ctx:` = setup(), then teardown() even on error."""
+    ctx = setup(**kwargs)
+    try:
+        yield ctx
+    finally:
+        teardown()
+

@@ -1,0 +1,75 @@
+"""Follow a run directory while it is written: new whole lines from every rank's logs, new metrics."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_LOG = re.compile(r"rank(\d+)\.(stdout|stderr)$")
+
+
+@dataclass
+class Line:
+    rank: int | None  # None: torchrun's agent
+    stream: str  # "stdout" | "stderr"
+    text: str
+
+
+class _Follower:
+    """Reads only complete lines, so a rank writing half a line is never shown cut in two."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def read(self, final: bool = False) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(1 << 20)  # at most 1 MiB per poll: a flooding rank cannot stall us
+        except OSError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        *lines, self.partial = data.split(b"\n")
+        if final and self.partial:
+            lines, self.partial = lines + [self.partial], b""
+        return [ln.decode(errors="replace").rstrip("\r") for ln in lines]
+
+
+class RunTailer:
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.logs: dict[Path, _Follower] = {}
+        self.metrics: dict[Path, _Follower] = {}
+        self.last_line: dict[int, str] = {}
+
+    def _discover(self) -> None:
+        logs_dir = self.run_dir / "logs"
+        attempts = sorted(logs_dir.glob("attempt*"), key=lambda p: int(p.name[7:]))
+        for path in list(attempts[-1].glob("rank*.std*")) if attempts else []:
+            self.logs.setdefault(path, _Follower(path))
+        for path in self.run_dir.glob("agent*.log"):
+            self.logs.setdefault(path, _Follower(path))
+        for path in (self.run_dir / "metrics").glob("rank*.jsonl"):
+            self.metrics.setdefault(path, _Follower(path))
+
+    def poll(self, final: bool = False) -> tuple[list[Line], list[dict]]:
+        """New log lines (all ranks) and new metric records since the last call."""
+        self._discover()
+        lines: list[Line] = []
+        for path, follower in self.logs.items():
+            m = _LOG.search(path.name)
+            rank, stream = (int(m.group(1)), m.group(2)) if m else (None, "stderr")
+            for text in follower.read(final):
+                lines.append(Line(rank, stream, text))
+                if rank is not None and text.strip():
+                    self.last_line[rank] = text.strip()
+        records = []
+        for follower in self.metrics.values():
+            for text in follower.read(final):
+                try:
+                    records.append(json.loads(text))
+                except ValueError:
+                    continue
+        return lines, records

@@ -1,0 +1,271 @@
+"""Tests for gpucourse.costs against hand-computed numbers.
+
+Expected values are written out as arithmetic, never computed with the
+function under test, so a wrong formula fails here.
+"""
+import dataclasses
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gpucourse import costs
+from gpucourse.costs import (
+    INTERCONNECTS,
+    AlphaBeta,
+    algbw,
+    busbw,
+    busbw_factor,
+    bytes_moved_per_rank,
+    collective_time,
+    ddp_step_time,
+    fit_alpha_beta,
+    pipeline_bubble_fraction,
+    scaling_efficiency,
+    zero_comm_volume,
+    zero_memory_bytes,
+)
+
+MiB = 2**20
+
+
+# --- nccl-tests definitions ----------------------------------------------------
+
+def test_algbw_is_size_over_time():
+    assert algbw(1e9, 0.5) == pytest.approx(2e9)
+
+
+@pytest.mark.parametrize("collective, n, factor", [
+    ("all_reduce", 4, 1.5),        # 2*(4-1)/4
+    ("all_reduce", 8, 1.75),       # 2*7/8
+    ("all_reduce", 2, 1.0),        # 2*1/2
+    ("all_gather", 8, 0.875),      # 7/8
+    ("reduce_scatter", 4, 0.75),   # 3/4
+    ("all_to_all", 4, 0.75),       # 3/4
+    ("broadcast", 8, 1.0),
+    ("reduce", 8, 1.0),
+    ("send_recv", 2, 1.0),
+    ("p2p", 2, 1.0),
+])
+def test_busbw_factor_matches_nccl_tests(collective, n, factor):
+    assert busbw_factor(collective, n) == pytest.approx(factor)
+
+
+def test_all_reduce_busbw_n4_is_1p5_algbw():
+    # 1 GB in 0.5 s: algbw 2 GB/s, busbw 1.5 * 2 = 3 GB/s
+    assert busbw("all_reduce", 1e9, 0.5, 4) == pytest.approx(3e9)
+
+
+def test_all_gather_busbw_uses_total_size():
+    # 8 MB total output in 1 ms on 8 ranks: algbw 8 GB/s, busbw 7/8 * 8 = 7 GB/s
+    assert busbw("all_gather", 8e6, 1e-3, 8) == pytest.approx(7e9)
+
+
+def test_bytes_moved_per_rank():
+    assert bytes_moved_per_rank("all_reduce", 1000, 4) == pytest.approx(1500)   # 2*3/4*1000
+    assert bytes_moved_per_rank("all_gather", 1000, 4) == pytest.approx(750)    # 3/4*1000
+    assert bytes_moved_per_rank("reduce_scatter", 800, 8) == pytest.approx(700)  # 7/8*800
+    assert bytes_moved_per_rank("broadcast", 1000, 4) == pytest.approx(1000)
+    assert bytes_moved_per_rank("all_reduce", 1000, 1) == 0
+
+
+# --- alpha-beta model ---------------------------------------------------------
+
+def test_ring_all_reduce_time_by_hand():
+    # n=4, S=1 MiB, alpha=10 us, beta=1 ns/B:
+    # 2*(4-1)*10e-6 = 60e-6 s; 2*3/4 * 1048576 B = 1572864 B -> 1.572864e-3 s
+    t = collective_time("all_reduce", MiB, 4, 10e-6, 1e-9)
+    assert t == pytest.approx(60e-6 + 1.572864e-3)
+
+
+def test_ring_all_gather_and_reduce_scatter_time_by_hand():
+    # n=8, S=8 MB, alpha=10 us, beta=0.1 ns/B: 7*10e-6 + 7e6*1e-10 = 7e-5 + 7e-4
+    for c in ("all_gather", "reduce_scatter"):
+        assert collective_time(c, 8e6, 8, 10e-6, 1e-10) == pytest.approx(7.7e-4)
+
+
+def test_ring_broadcast_time_by_hand():
+    # n=4, S=1e6: 3*10e-6 + 1e6*1e-9 = 3e-5 + 1e-3
+    assert collective_time("broadcast", 1e6, 4, 10e-6, 1e-9) == pytest.approx(1.03e-3)
+
+
+def test_tree_all_reduce_time_by_hand():
+    # n=8: log2(8)=3; 2*3*10e-6 + 2*1e6*1e-9 = 6e-5 + 2e-3
+    t = collective_time("all_reduce", 1e6, 8, 10e-6, 1e-9, algorithm="tree")
+    assert t == pytest.approx(2.06e-3)
+
+
+def test_tree_beats_ring_for_small_messages_on_many_ranks():
+    ring = collective_time("all_reduce", 1024, 64, 10e-6, 1e-9)
+    tree = collective_time("all_reduce", 1024, 64, 10e-6, 1e-9, algorithm="tree")
+    assert tree < ring
+
+
+def test_single_rank_costs_nothing():
+    assert collective_time("all_reduce", MiB, 1, 10e-6, 1e-9) == 0.0
+
+
+# --- fitting -----------------------------------------------------------------
+
+def test_fit_recovers_alpha_beta_from_noisy_synthetic_data():
+    rng = np.random.default_rng(0)
+    alpha, beta, n = 20e-6, 1 / 5e9, 8
+    sizes = np.logspace(10, 28, 19, base=2)  # 1 KiB .. 256 MiB
+    # ring all_reduce by hand: 2(n-1) alpha + 2(n-1)/n S beta
+    clean = 2 * (n - 1) * alpha + 2 * (n - 1) / n * sizes * beta
+    times = clean * (1 + 0.02 * rng.standard_normal(sizes.size))
+    fit = fit_alpha_beta(sizes, times, "all_reduce", n=n)
+    assert fit.alpha == pytest.approx(alpha, rel=0.1)
+    assert fit.beta == pytest.approx(beta, rel=0.05)
+    assert fit.bandwidth == pytest.approx(5e9, rel=0.05)
+    assert fit.predict(MiB) == pytest.approx(14 * alpha + 1.75 * MiB * beta, rel=0.05)
+
+
+def test_fit_clips_negative_latency_to_zero():
+    # pure bandwidth data with a negative offset: the free fit gives alpha < 0
+    sizes = np.array([1e6, 2e6, 4e6, 8e6])
+    times = sizes * 1e-9 - 1e-5
+    fit = fit_alpha_beta(sizes, times, "send_recv", n=2)
+    assert fit.alpha == 0.0
+    assert fit.beta > 0
+
+
+def test_fit_with_single_size_raises():
+    with pytest.raises(ValueError, match="distinct sizes"):
+        fit_alpha_beta([MiB, MiB, MiB], [1e-3, 1.1e-3, 0.9e-3], n=4)
+
+
+def test_fit_with_mismatched_lengths_raises():
+    with pytest.raises(ValueError, match="same length"):
+        fit_alpha_beta([1, 2, 3], [1e-3, 2e-3], n=4)
+
+
+def test_alphabeta_str_and_bare_predict():
+    ab = AlphaBeta(35.2e-6, 1 / 1.9e9)
+    assert str(ab) == "α = 35.2 µs, β⁻¹ = 1.9 GB/s"
+    # a bare AlphaBeta is one link: alpha + S*beta = 10e-6 + 1e6*1e-9
+    assert AlphaBeta(10e-6, 1e-9).predict(1e6) == pytest.approx(1.01e-3)
+
+
+# --- interconnect presets ------------------------------------------------------
+
+def test_interconnect_presets():
+    expected_gbps = {
+        "NVLink 4 (H100 SXM)": 450, "NVLink 3 (A100 SXM)": 300, "PCIe 5 x16": 64,
+        "PCIe 4 x16": 32, "InfiniBand NDR 400G": 50, "InfiniBand HDR 200G": 25, "100 GbE": 12.5,
+    }
+    assert set(INTERCONNECTS) == set(expected_gbps)
+    for name, gbps in expected_gbps.items():
+        ic = INTERCONNECTS[name]
+        assert ic.name == name
+        assert ic.bandwidth_bytes_per_s == pytest.approx(gbps * 1e9)
+        assert ic.beta == pytest.approx(1 / (gbps * 1e9))
+        assert 1e-6 <= ic.alpha <= 50e-6
+        assert "not measured" in ic.source
+    assert INTERCONNECTS["100 GbE"].alpha > INTERCONNECTS["InfiniBand NDR 400G"].alpha
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        INTERCONNECTS["PCIe 4 x16"].alpha = 0
+
+
+# --- ZeRO ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage, paper_gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_memory_matches_paper_table(stage, paper_gb):
+    # ZeRO paper, Psi = 7.5B params, N_d = 64, K = 12; table values rounded to 0.1 GB
+    got_gb = zero_memory_bytes(7.5e9, 64, stage) / 1e9
+    assert abs(got_gb - paper_gb) <= 0.05
+
+
+def test_zero_memory_exact_formulas():
+    psi, n = 7.5e9, 64
+    assert zero_memory_bytes(psi, n, 0) == pytest.approx(16 * psi)
+    assert zero_memory_bytes(psi, n, 1) == pytest.approx(4 * psi + 12 * psi / n)   # 31.40625e9
+    assert zero_memory_bytes(psi, n, 2) == pytest.approx(2 * psi + 14 * psi / n)   # 16.640625e9
+    assert zero_memory_bytes(psi, n, 3) == pytest.approx(1.875e9)                  # 16*7.5e9/64
+
+
+def test_zero_memory_offload_counts_gpu_bytes_only():
+    psi, n = 1e9, 8
+    assert zero_memory_bytes(psi, n, 1, offload=True) == pytest.approx(4e9)    # fp16 params+grads
+    assert zero_memory_bytes(psi, n, 2, offload=True) == pytest.approx(2e9)    # fp16 params
+    assert zero_memory_bytes(psi, n, 3, offload=True) == pytest.approx(0.25e9)  # 2 B * 1e9 / 8
+
+
+def test_zero_comm_volume():
+    assert zero_comm_volume(1e9, 0) == 4e9   # 2 * Psi * 2 bytes
+    assert zero_comm_volume(1e9, 2) == 4e9
+    assert zero_comm_volume(1e9, 3) == 6e9   # 1.5x data parallel
+    assert zero_comm_volume(1e9, 1, bytes_per_elem=4) == 8e9
+
+
+# --- pipeline bubble -------------------------------------------------------------
+
+def test_pipeline_bubble_fraction():
+    assert pipeline_bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert pipeline_bubble_fraction(8, 32) == pytest.approx(7 / 39)
+    assert pipeline_bubble_fraction(1, 16) == 0.0
+
+
+# --- DDP step -----------------------------------------------------------------
+
+def test_ddp_step_overlap_exposes_only_last_bucket():
+    # 100 MiB grads, 25 MiB buckets -> 4 buckets; per bucket on n=4:
+    # 6*10e-6 + 1.5*26214400*1e-9 = 6e-5 + 0.0393216 = 0.0393816 s
+    r = ddp_step_time(0.5, 100 * MiB, 4, 10e-6, 1e-9)
+    assert r.num_buckets == 4
+    assert r.comm == pytest.approx(4 * 0.0393816)
+    assert r.exposed == pytest.approx(0.0393816)
+    assert r.step == pytest.approx(0.5393816)
+    assert scaling_efficiency(0.5, r.step) == pytest.approx(0.5 / 0.5393816)
+
+
+def test_ddp_step_without_overlap_and_with_partial_bucket():
+    # 60 MiB -> 25 + 25 + 10 MiB; 10 MiB bucket: 6e-5 + 1.5*10485760e-9 = 0.01578864
+    r = ddp_step_time(0.5, 60 * MiB, 4, 10e-6, 1e-9, overlap=False)
+    assert r.num_buckets == 3
+    assert r.comm == pytest.approx(2 * 0.0393816 + 0.01578864)
+    assert r.exposed == pytest.approx(r.comm)
+    assert r.step == pytest.approx(0.5 + 2 * 0.0393816 + 0.01578864)
+
+
+def test_ddp_step_comm_bound_cannot_hide_more_than_compute():
+    # comm 0.1575264 s vs compute 0.01 s: exposed = 0.1575264 - 0.01
+    r = ddp_step_time(0.01, 100 * MiB, 4, 10e-6, 1e-9)
+    assert r.exposed == pytest.approx(0.1475264)
+    assert r.step == pytest.approx(0.1575264)
+
+
+# --- invalid inputs ------------------------------------------------------------------
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: busbw_factor("allreduce", 4), r"'allreduce'.*all_reduce"),
+    (lambda: busbw_factor("all_reduce", 0), r"\bn\b"),
+    (lambda: algbw(1e6, 0), "seconds"),
+    (lambda: algbw(-1, 1), "size_bytes"),
+    (lambda: collective_time("all_reduce", 1e6, 4, 1e-5, 1e-9, algorithm="bogus"), "algorithm"),
+    (lambda: collective_time("all_gather", 1e6, 4, 1e-5, 1e-9, algorithm="tree"), "tree"),
+    (lambda: collective_time("all_reduce", 1e6, 4, -1e-5, 1e-9), "alpha"),
+    (lambda: zero_memory_bytes(1e9, 8, 4), "stage"),
+    (lambda: zero_memory_bytes(1e9, 0, 1), "dp_degree"),
+    (lambda: zero_memory_bytes(-1, 8, 1), "num_params"),
+    (lambda: zero_memory_bytes(1e9, 8, 0, offload=True), "offload"),
+    (lambda: zero_comm_volume(1e9, 5), "stage"),
+    (lambda: pipeline_bubble_fraction(0, 4), r"\bp\b"),
+    (lambda: pipeline_bubble_fraction(4, 0), r"\bm\b"),
+    (lambda: ddp_step_time(0.1, 1e6, 4, 1e-5, 1e-9, bucket_bytes=0), "bucket_bytes"),
+    (lambda: ddp_step_time(-0.1, 1e6, 4, 1e-5, 1e-9), "compute_s"),
+    (lambda: fit_alpha_beta([1, 2], [1e-3, 2e-3], n=1), r"\bn\b"),
+    (lambda: scaling_efficiency(0, 1), "single_step_s"),
+])
+def test_invalid_inputs_raise_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_module_imports_without_torch():
+    code = "import sys, gpucourse.costs; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=costs.__file__.rsplit("/gpucourse/", 1)[0], check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,214 @@
+"""The launcher, end to end: real torchrun jobs on gloo/CPU, and proof that nothing survives any of them."""
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+import gpucourse
+from gpucourse.launcher import LaunchConfigError, LaunchError, launch
+
+from .conftest import JOBS, listening_ports, run_processes
+
+WORKER = JOBS / "worker.py"
+
+
+def assert_nothing_left(result_or_dir, seen_pids=()):
+    run_dir = getattr(result_or_dir, "run_dir", result_or_dir)
+    deadline = time.monotonic() + 10
+    while run_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert run_processes(run_dir) == []
+    assert listening_ports(seen_pids) == []
+
+
+def test_success_collects_logs_metrics_manifest(runs_dir):
+    res = launch(WORKER, nproc=2, args=["--steps", "3"], live=False)
+    assert res.ok and res.returncodes == {0: 0, 1: 0}
+    assert res.run_dir.is_absolute() and res.run_dir.parent == runs_dir
+    # rank r at step s contributes r + s: the all-reduced sum over 2 ranks is 1 + 2s
+    assert res.metric("sum", rank=1) == [1.0, 3.0, 5.0]
+    assert "rank 1 step 2 sum 5" in res.log(1)
+    manifest = json.loads((res.run_dir / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["backend"] == "gloo" and manifest["status"] == "ok"
+    assert manifest["versions"]["torch"].startswith("2.")
+    assert manifest["end"] >= manifest["start"]
+    assert gpucourse.load_run(res.run_dir).metrics == res.metrics
+    assert_nothing_left(res)
+
+
+def test_failure_names_the_root_cause_rank(runs_dir):
+    with pytest.raises(LaunchError) as info:
+        launch(WORKER, nproc=3, args=["--steps", "5", "--fail-rank", "2", "--step-time", "0.2"], live=False)
+    res = info.value.result
+    assert res.status == "failed" and res.error.rank == 2
+    assert res.returncodes[2] == 1
+    assert str(info.value).startswith("rank 2 failed (exit code 1): ValueError: deliberate failure on rank 2")
+    assert 'raise ValueError(f"deliberate failure' in res.error.traceback
+    assert "torch.distributed.elastic" not in str(info.value).splitlines()[0]
+    assert_nothing_left(res)
+
+
+def test_failure_without_traceback_reports_exit_code(runs_dir):
+    res = launch(WORKER, nproc=2, args=["--steps", "5", "--exit-rank", "0", "--step-time", "0.2"],
+                 live=False, check=False)
+    assert not res.ok and res.error.rank == 0 and res.returncodes[0] == 3
+    assert "exit code 3" in res.error.summary
+
+
+def test_timeout_names_running_ranks_and_their_last_line(runs_dir):
+    start = time.monotonic()
+    res = launch(WORKER, nproc=2, args=["--steps", "2", "--hang"], timeout=8, live=False, check=False)
+    assert time.monotonic() - start < 8 + 15
+    assert res.status == "timeout"
+    assert "timed out after 8 s" in res.error.summary and "[0, 1]" in res.error.summary
+    assert "rank 1 was still running; its last line: rank 1 step 1 sum 3" in res.error.traceback
+    assert_nothing_left(res)
+
+
+def test_stall_detection_stops_a_silent_job(runs_dir):
+    res = launch(WORKER, nproc=2, args=["--steps", "1", "--hang"], stall_timeout=3, live=False, check=False)
+    assert res.status == "stalled" and "no rank printed or logged for 3 s" in res.error.summary
+    assert_nothing_left(res)
+
+
+def test_workers_that_ignore_sigterm_and_their_children_are_killed(runs_dir):
+    res = launch(WORKER, nproc=2, args=["--steps", "1", "--hang", "--ignore-sigterm", "--grandchild"],
+                 timeout=8, live=False, check=False)
+    assert res.status == "timeout"
+    assert_nothing_left(res)
+
+
+def test_flooding_rank_keeps_whole_lines(runs_dir, capsys):
+    res = launch(WORKER, nproc=2, args=["--flood", "20000", "--steps", "1"], live="text")
+    out = capsys.readouterr().out.splitlines()
+    flood = [ln for ln in out if "flood line" in ln]
+    assert len(flood) == 40000
+    # every printed line is one whole line of one rank: prefix and rank inside the text agree
+    assert all(ln.startswith(f"[rank {ln.split('from rank ')[1][0]}] flood line") for ln in flood)
+    assert res.ok
+
+
+def _launch_in_child(tmp_path, runs_dir, extra=""):
+    """A separate Python process (standing in for a Jupyter kernel) that launches a long job."""
+    code = textwrap.dedent(f"""
+        import gpucourse
+        try:
+            gpucourse.launch({str(WORKER)!r}, nproc=2, args=["--steps", "1", "--hang"], live="text")
+        except KeyboardInterrupt:
+            print("CAUGHT KeyboardInterrupt", flush=True)
+            raise
+    """)
+    out = open(tmp_path / "kernel.out", "w")
+    kernel = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT,
+                              env={**__import__("os").environ, "GPUCOURSE_RUNS_DIR": str(runs_dir)})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        runs = list(runs_dir.glob("*/metrics/rank1.jsonl"))
+        if len(runs) == 1 and (runs[0].parent / "rank0.jsonl").exists() and "step" in runs[0].read_text():
+            run_dir = runs[0].parent.parent
+            pids = [p.pid for p in run_processes(run_dir)]
+            assert len(pids) >= 3  # the agent and two workers
+            return kernel, run_dir, pids
+        time.sleep(0.2)
+    kernel.kill()
+    raise AssertionError("the job never started: " + (tmp_path / "kernel.out").read_text())
+
+
+def test_kernel_killed_with_sigkill_leaves_nothing(tmp_path, runs_dir):
+    kernel, run_dir, pids = _launch_in_child(tmp_path, runs_dir)
+    kernel.send_signal(signal.SIGKILL)
+    kernel.wait()
+    assert_nothing_left(run_dir, pids)
+
+
+def test_interrupt_stops_job_and_records_it(tmp_path, runs_dir):
+    kernel, run_dir, pids = _launch_in_child(tmp_path, runs_dir)
+    kernel.send_signal(signal.SIGINT)  # what Jupyter's stop button does to a kernel
+    kernel.wait(timeout=30)
+    assert "CAUGHT KeyboardInterrupt" in (tmp_path / "kernel.out").read_text()
+    assert gpucourse.load_run(run_dir).status == "interrupted"
+    assert_nothing_left(run_dir, pids)
+
+
+def test_concurrent_launches_do_not_collide(runs_dir):
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(launch(WORKER, nproc=2, live=False, check=False)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status for r in results] == ["ok", "ok"]
+    assert results[0].run_dir != results[1].run_dir
+
+
+def test_runtime_script_also_runs_as_plain_python(tmp_path, runs_dir):
+    out = subprocess.run([sys.executable, str(WORKER), "--steps", "2"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0 step 1 sum 1" in out.stdout
+    assert list(runs_dir.glob("worker-torchrun-*/metrics/rank0.jsonl"))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"nproc": 0}, "nproc=0 is out of range"),
+    ({"nproc": -2}, "nproc=-2 is out of range"),
+    ({"nproc": 10**6}, "out of range"),
+    ({"nproc": 2.5}, "nproc must be a whole number"),
+    ({"backend": "smoke-signals"}, "unknown backend 'smoke-signals'"),
+    ({"backend": "nccl"}, "NCCL needs one GPU per rank"),
+    ({"timeout": 0}, "timeout must be a positive number"),
+    ({"timeout": -1}, "timeout must be a positive number"),
+    ({"timeout": "soon"}, "timeout must be a positive number"),
+    ({"stall_timeout": float("nan")}, "stall_timeout must be a positive number"),
+    ({"args": "--steps 3"}, "args must be a list of strings"),
+])
+def test_bad_input_is_refused_before_anything_starts(runs_dir, kwargs, message):
+    if kwargs.get("backend") == "nccl" and gpucourse.hardware.gpu_count() >= 2:
+        pytest.skip("this machine has GPUs for NCCL")
+    with pytest.raises(LaunchConfigError, match=message.replace("(", r"\(")):
+        launch(WORKER, **{"live": False, **kwargs})
+    assert not runs_dir.exists() or not any(runs_dir.iterdir())
+
+
+def test_bad_scripts_are_refused(tmp_path, runs_dir):
+    with pytest.raises(LaunchConfigError, match="script not found: .*missing.py"):
+        launch(tmp_path / "missing.py")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n    pass\n")
+    with pytest.raises(LaunchConfigError, match="broken.py has a syntax error at line 1"):
+        launch(broken)
+
+
+def test_unwritable_runs_dir_is_refused(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(blocker / "runs"))
+    with pytest.raises(LaunchConfigError, match="cannot write the runs directory .*GPUCOURSE_RUNS_DIR"):
+        launch(WORKER, live=False)
+
+
+def test_widget_view_fills_one_pane_per_rank(runs_dir, monkeypatch):
+    pytest.importorskip("ipywidgets")
+    from gpucourse import live
+
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
+    res = launch(WORKER, nproc=2, args=["--steps", "4"], live="widget")
+    view_box = shown[0]
+    status, progress_row, tabs = view_box.children
+    bar = progress_row.children[0]
+    assert bar.value == bar.max == 4 and bar.bar_style == "success"
+    panes = tabs.children
+    assert len(panes) == 3
+    assert "rank 1 step 3 sum 7" in panes[2].outputs[0]["text"]
+    assert "rank 0 step 3" not in panes[2].outputs[0]["text"]
+    assert "[rank 0] rank 0 step 3 sum 7" in panes[0].outputs[0]["text"]
+    assert "finished" in status.value and res.ok
+    assert live.WidgetView.MAX_LINES >= 100

@@ -86,6 +86,8 @@ class HardwareReport:
         text = "\n".join(f"{k:<{width}}  {v}" for k, v in self.rows())
         return text + (f"\n\nGPU topology (nvidia-smi topo -m):\n{self.topology}" if self.topology else "")
 
+    __repr__ = __str__
+
     def _repr_html_(self) -> str:
         body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
                        f"{html.escape(v)}</td></tr>" for k, v in self.rows())

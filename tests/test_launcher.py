@@ -212,3 +212,37 @@ def test_widget_view_fills_one_pane_per_rank(runs_dir, monkeypatch):
     assert "[rank 0] rank 0 step 3 sum 7" in panes[0].outputs[0]["text"]
     assert "finished" in status.value and res.ok
     assert live.WidgetView.MAX_LINES >= 100
+
+
+def test_papermill_cell_timeout_leaves_nothing(tmp_path, runs_dir):
+    """papermill interrupts, then shuts the kernel down (SIGINT → SIGTERM → SIGKILL within seconds)."""
+    nbformat = pytest.importorskip("nbformat")
+    papermill = pytest.importorskip("papermill")
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("import gpucourse"),
+        nbformat.v4.new_code_cell(f"gpucourse.launch({str(WORKER)!r}, nproc=2, args=['--steps', '1', '--hang'])"),
+    ])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "hang.ipynb")
+    with pytest.raises(Exception):
+        papermill.execute_notebook(str(tmp_path / "hang.ipynb"), str(tmp_path / "out.ipynb"), kernel_name="python3",
+                                   execution_timeout=15, progress_bar=False)
+    run_dirs = list(runs_dir.glob("worker-*"))
+    assert len(run_dirs) == 1
+    assert_nothing_left(run_dirs[0])
+
+
+def test_profile_writes_one_trace_per_rank_with_step_markers(runs_dir):
+    res = launch(WORKER, nproc=2, args=["--steps", "6", "--profile"], live=False)
+    assert sorted(res.traces) == [0, 1]
+    trace = json.loads(res.traces[1].read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any(n.startswith("ProfilerStep#") for n in names)
+    assert any("allreduce" in n for n in names)
+
+
+def test_simulated_nodes_have_distinct_node_ranks(runs_dir):
+    res = launch(WORKER, nproc=1, nnodes=2, args=["--steps", "2"], live=False)
+    assert res.ok and res.world_size == 2
+    assert res.metric("sum", rank=1) == [1.0, 3.0]
+    assert sorted(p.name for p in res.run_dir.glob("exit*.json")) == ["exit-node0.json", "exit-node1.json"]

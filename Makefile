@@ -1,0 +1,40 @@
+# The course's commands. Each works on a fresh clone with nothing but Python 3.11+ and make.
+#   make lab     open the course in JupyterLab      make test    run the whole test suite
+#   make course  execute every notebook (papermill)  make bench   the benchmarks
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.gpucourse-installed
+PYTEST_ARGS ?=
+
+.PHONY: install lab kernel test course bench exercises clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gpucourse needs Python 3.11 or newer; set PYTHON=python3.11")'
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+kernel: $(STAMP)
+	$(BIN)/python -m ipykernel install --sys-prefix --name gpucourse --display-name "Python (gpucourse)" >/dev/null
+	@echo "Jupyter kernel 'gpucourse' registered"
+
+lab: kernel
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -rs $(PYTEST_ARGS)
+
+course: kernel
+	$(BIN)/gpucourse course $(COURSE_ARGS)
+
+bench: $(STAMP)
+	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+exercises: $(STAMP)
+	$(BIN)/gpucourse make-exercises
+
+clean:
+	rm -rf runs executed .pytest_cache

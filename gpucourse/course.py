@@ -1,0 +1,165 @@
+"""Batch execution of the course's notebooks with papermill: `gpucourse course` and `make course`.
+
+Each chapter notebook has a cell tagged `parameters`; its metadata `gpucourse.smoke` holds the tiny
+values CI uses (`--smoke`). Executed copies go to an output folder, never over the sources.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .paths import project_root
+
+NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
+
+
+def notebooks_dir() -> Path:
+    root = project_root()
+    if root is None:
+        raise FileNotFoundError("the course notebooks are not next to this package: run from a clone of the course")
+    return root / "notebooks"
+
+
+def find_notebooks(only: list[str] | None = None) -> list[Path]:
+    """Chapter notebooks in order; `only` keeps those whose name starts with or contains one of the names."""
+    books = sorted(notebooks_dir().glob(NOTEBOOK_GLOB))
+    if not only:
+        return books
+    picked = [nb for nb in books if any(nb.stem.startswith(n) or n in nb.stem for n in only)]
+    unknown = [n for n in only if not any(nb.stem.startswith(n) or n in nb.stem for nb in books)]
+    if unknown:
+        names = ", ".join(nb.stem for nb in books)
+        raise ValueError(f"no notebook matches {', '.join(unknown)}; the notebooks are: {names}")
+    return picked
+
+
+def smoke_parameters(path: Path) -> dict:
+    import nbformat
+
+    return dict(nbformat.read(path, as_version=4).metadata.get("gpucourse", {}).get("smoke", {}))
+
+
+@dataclass
+class NotebookRun:
+    notebook: str
+    status: str  # "ok" | "failed"
+    duration: float
+    output: Path
+    failing_cell: int | None = None
+    error: str = ""
+
+
+def execute_notebook(path: Path, output_dir: Path, *, smoke: bool = False, parameters: dict | None = None,
+                     cell_timeout: float | None = 600, kernel: str = "python3") -> NotebookRun:
+    """Run one notebook with papermill in its own folder; never raises for an error inside the notebook."""
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+
+    params = {**(smoke_parameters(path) if smoke else {}), **(parameters or {})}
+    output_dir.mkdir(parents=True, exist_ok=True)
+    out = output_dir / path.name
+    os.environ.setdefault("GPUCOURSE_LIVE", "text")  # plain, whole lines in the executed notebook
+    start = time.monotonic()
+    try:
+        pm.execute_notebook(str(path), str(out), parameters=params, cwd=str(path.parent), kernel_name=kernel,
+                            execution_timeout=cell_timeout, progress_bar=False, log_output=False)
+    except PapermillExecutionError as err:
+        return NotebookRun(path.stem, "failed", time.monotonic() - start, out, err.cell_index,
+                           f"{err.ename}: {err.evalue}")
+    except Exception as err:  # a cell timeout or a dead kernel: papermill raises other types
+        return NotebookRun(path.stem, "failed", time.monotonic() - start, out, _failing_cell(out),
+                           f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+    return NotebookRun(path.stem, "ok", time.monotonic() - start, out)
+
+
+def _failing_cell(executed: Path) -> int | None:
+    """The cell that was running when execution stopped (papermill marks it, even on a timeout)."""
+    try:
+        import nbformat
+
+        nb = nbformat.read(executed, as_version=4)
+    except Exception:
+        return None
+    for i, cell in enumerate(nb.cells):
+        if cell.get("metadata", {}).get("papermill", {}).get("status") in ("running", "failed"):
+            return i
+    return None
+
+
+def run_course(*, smoke: bool = False, only: list[str] | None = None, output: Path | None = None,
+               cell_timeout: float | None = 600) -> list[NotebookRun]:
+    from tqdm.auto import tqdm
+
+    books = find_notebooks(only)
+    output = Path(output or (notebooks_dir().parent / "executed")).resolve()
+    results = []
+    bar = tqdm(books, desc="course", unit="notebook")
+    for path in bar:
+        bar.set_postfix_str(path.stem)
+        results.append(execute_notebook(path, output, smoke=smoke, cell_timeout=cell_timeout))
+    bar.close()
+    return results
+
+
+CHECK_MARK = "NBVAL_CHECK_OUTPUT"
+
+
+def refresh_checked_outputs(path: Path, executed: Path) -> int:
+    """Copy the outputs of the cells marked NBVAL_CHECK_OUTPUT from an executed copy into the source.
+
+    The sources are stored stripped, except these cells: nbval (lax mode) compares them on every CI run.
+    """
+    import nbformat
+
+    source, done = nbformat.read(path, as_version=4), nbformat.read(executed, as_version=4)
+    by_id = {c.get("id"): c for c in done.cells}
+    count = 0
+    for cell in source.cells:
+        if cell.cell_type == "code" and CHECK_MARK in cell.source:
+            cell.outputs = by_id[cell.get("id")].outputs
+            cell.execution_count = 1  # nbval skips cells it thinks were never run
+            count += 1
+    nbformat.write(source, path)
+    return count
+
+
+def table(results: list[NotebookRun]) -> str:
+    lines = [f"{'notebook':<36} {'status':<7} {'seconds':>8}  failing cell / error"]
+    for r in results:
+        where = f"cell {r.failing_cell}: {r.error}" if r.status != "ok" else ""
+        lines.append(f"{r.notebook:<36} {r.status:<7} {r.duration:>8.1f}  {where}")
+    total = sum(r.duration for r in results)
+    lines.append(f"{len(results)} notebook(s), {sum(r.status == 'ok' for r in results)} ok, {total:.0f} s in all")
+    return "\n".join(lines)
+
+
+def _cli(args) -> int:
+    if args.refresh_checked:
+        if args.smoke:
+            print("gpucourse course: error: --refresh-checked runs the learner defaults; drop --smoke")
+            return 2
+    try:
+        results = run_course(smoke=args.smoke, only=args.only, output=args.output, cell_timeout=args.cell_timeout)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"gpucourse course: error: {err}")
+        return 2
+    print(table(results))
+    if args.refresh_checked:
+        for path, r in zip(find_notebooks(args.only), results):
+            if r.status == "ok":
+                print(f"{path.name}: {refresh_checked_outputs(path, r.output)} checked cell(s) refreshed")
+    print(f"executed notebooks are in {results[0].output.parent}" if results else "")
+    return 0 if all(r.status == "ok" for r in results) else 1
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("course", help="execute the chapter notebooks in order (papermill)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, as in CI")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="notebooks to run, e.g. 00 01_collectives")
+    p.add_argument("--output", type=Path, help="folder for executed notebooks (default: executed/)")
+    p.add_argument("--cell-timeout", type=float, default=600, help="seconds per cell (default 600)")
+    p.add_argument("--refresh-checked", action="store_true",
+                   help="maintainers: store the outputs of NBVAL_CHECK_OUTPUT cells back into the sources")
+    p.set_defaults(func=_cli)

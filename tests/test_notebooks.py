@@ -1,0 +1,83 @@
+"""Every chapter notebook: executed in CI (papermill, smoke sizes), stored stripped, in sync with scripts/."""
+import re
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from gpucourse.course import CHECK_MARK, execute_notebook, find_notebooks
+
+from .conftest import ROOT, run_processes
+
+NOTEBOOKS = find_notebooks()
+WRITEFILE = re.compile(r"^%%writefile\s+(\S+)\s*\n", re.M)
+
+
+def _cells(path):
+    return nbformat.read(path, as_version=4).cells
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS and NOTEBOOKS[0].name == "00_setup_and_first_launch.ipynb"
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_in_smoke_mode(path, tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(runs))
+    result = execute_notebook(path, tmp_path / "executed", smoke=True, cell_timeout=300)
+    assert result.status == "ok", f"{path.name} failed in cell {result.failing_cell}: {result.error}"
+    assert result.duration < 180, f"{path.name} took {result.duration:.0f} s in smoke mode (budget 180 s)"
+    for run_dir in runs.glob("*"):
+        assert run_processes(run_dir) == [], f"{run_dir.name} left processes behind"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_stored_stripped(path):
+    for i, cell in enumerate(_cells(path)):
+        if cell.cell_type != "code":
+            continue
+        if CHECK_MARK not in cell.source:  # checked cells keep the output nbval compares against
+            assert cell.execution_count is None, f"{path.name} cell {i} has an execution count: strip it"
+            assert not cell.outputs, f"{path.name} cell {i} is stored with outputs: strip it (nbstripout)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_has_parameters_cell_and_smoke_values(path):
+    nb = nbformat.read(path, as_version=4)
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{path.name} needs exactly one cell tagged 'parameters'"
+    smoke = nb.metadata.get("gpucourse", {}).get("smoke", {})
+    defined = set(re.findall(r"^([A-Z_][A-Z0-9_]*)\s*=", tagged[0].source, re.M))
+    assert set(smoke) <= defined, f"smoke parameters {set(smoke) - defined} are not in the parameters cell"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_scripts_equal_what_the_notebook_writes(path):
+    for cell in _cells(path):
+        m = WRITEFILE.match(cell.source)
+        if not m:
+            continue
+        target = (path.parent / m.group(1)).resolve()
+        assert target.parent == ROOT / "scripts", f"{path.name} writes outside scripts/: {m.group(1)}"
+        assert target.exists(), f"{target.name} is missing: run the notebook once and commit scripts/"
+        body = cell.source[m.end():]
+        # %%writefile writes the cell body plus a final newline
+        assert target.read_text() == body + ("\n" if not body.endswith("\n") else ""), (
+            f"scripts/{target.name} differs from what {path.name} writes: re-run the cell and commit both")
+
+
+CHECKED = [p for p in NOTEBOOKS if any(CHECK_MARK in c.source for c in _cells(p))]
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", CHECKED, ids=lambda p: p.stem)
+def test_checked_cells_match_with_nbval(path, tmp_path):
+    env = {**__import__("os").environ, "GPUCOURSE_RUNS_DIR": str(tmp_path / "runs"), "GPUCOURSE_LIVE": "text"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+                          "--nbval-sanitize-with", str(ROOT / "tests" / "nbval_sanitize.cfg"),
+                          "--nbval-cell-timeout", "300", str(path)],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:]

@@ -246,3 +246,11 @@ def test_simulated_nodes_have_distinct_node_ranks(runs_dir):
     assert res.ok and res.world_size == 2
     assert res.metric("sum", rank=1) == [1.0, 3.0]
     assert sorted(p.name for p in res.run_dir.glob("exit*.json")) == ["exit-node0.json", "exit-node1.json"]
+
+
+def test_runtime_script_runs_under_plain_torchrun(tmp_path, runs_dir):
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(WORKER), "--steps", "2"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    metrics = sorted(runs_dir.glob("worker-torchrun-*/metrics/rank*.jsonl"))
+    assert [m.name for m in metrics] == ["rank0.jsonl", "rank1.jsonl"]  # both ranks chose the same folder

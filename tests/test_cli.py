@@ -1,0 +1,77 @@
+"""The `gpucourse` command: same launcher, shell exit codes, one-line errors (never a traceback)."""
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import JOBS, run_processes
+
+WORKER = str(JOBS / "worker.py")
+
+
+def gpucourse(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "gpucourse.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_launch_success_streams_ranks_and_exits_zero(runs_dir):
+    out = gpucourse("launch", WORKER, "-n", "2", "--", "--steps", "2")
+    assert out.returncode == 0, out.stderr
+    assert "[rank 1] rank 1 step 1 sum 3" in out.stdout
+    assert "finished" in out.stdout
+
+
+def test_launch_failure_exits_one_with_root_cause(runs_dir):
+    out = gpucourse("launch", WORKER, "-n", "2", "-q", "--", "--fail-rank", "1", "--steps", "4", "--step-time", "0.2")
+    assert out.returncode == 1
+    assert "rank 1 failed (exit code 1): ValueError: deliberate failure on rank 1" in out.stderr
+
+
+def test_launch_timeout_exits_124_and_leaves_nothing(runs_dir):
+    out = gpucourse("launch", WORKER, "-n", "2", "-q", "--timeout", "6", "--", "--hang")
+    assert out.returncode == 124
+    assert "timed out after 6 s" in out.stderr
+    for run_dir in runs_dir.iterdir():
+        assert run_processes(run_dir) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["launch", "missing.py"], "script not found: missing.py"),
+    (["launch", WORKER, "-n", "0"], "nproc=0 is out of range"),
+    (["launch", WORKER, "-n", "-3"], "nproc=-3 is out of range"),
+    (["launch", WORKER, "--backend", "carrier-pigeon"], "unknown backend 'carrier-pigeon'"),
+    (["launch", WORKER, "--timeout", "-1"], "must be a positive number of seconds"),
+    (["launch", WORKER, "--timeout", "later"], "expected a number of seconds"),
+])
+def test_bad_input_one_line_exit_two(runs_dir, args, message):
+    out = gpucourse(*args)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_nccl_without_gpus_is_refused(runs_dir):
+    from gpucourse.hardware import gpu_count
+
+    if gpu_count() >= 2:
+        pytest.skip("this machine has GPUs")
+    out = gpucourse("launch", WORKER, "--backend", "nccl")
+    assert out.returncode == 2 and "NCCL needs one GPU per rank" in out.stderr and "gloo" in out.stderr
+
+
+def test_runs_lists_status_and_root_cause(runs_dir):
+    gpucourse("launch", WORKER, "-n", "2", "-q", "--", "--steps", "1")
+    gpucourse("launch", WORKER, "-n", "2", "-q", "--", "--fail-rank", "0", "--steps", "3", "--step-time", "0.2")
+    out = gpucourse("runs")
+    assert out.returncode == 0
+    lines = out.stdout.splitlines()[1:]
+    assert len(lines) == 2
+    assert " ok " in lines[0] and " failed " in lines[1]
+    assert "rank 0 failed" in lines[1]
+
+
+def test_doctor_reports_hardware_and_runs_smoke_job(runs_dir):
+    out = gpucourse("doctor")
+    assert out.returncode == 0, out.stderr
+    assert "CPUs" in out.stdout and "launcher default" in out.stdout
+    assert "doctor: OK — all-reduce over 2 rank(s)" in out.stdout

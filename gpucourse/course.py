@@ -6,6 +6,7 @@ values CI uses (`--smoke`). Executed copies go to an output folder, never over t
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,12 +139,12 @@ def table(results: list[NotebookRun]) -> str:
 def _cli(args) -> int:
     if args.refresh_checked:
         if args.smoke:
-            print("gpucourse course: error: --refresh-checked runs the learner defaults; drop --smoke")
+            print("gpucourse course: error: --refresh-checked runs the learner defaults; drop --smoke", file=sys.stderr)
             return 2
     try:
         results = run_course(smoke=args.smoke, only=args.only, output=args.output, cell_timeout=args.cell_timeout)
     except (ValueError, FileNotFoundError) as err:
-        print(f"gpucourse course: error: {err}")
+        print(f"gpucourse course: error: {err}", file=sys.stderr)
         return 2
     print(table(results))
     if args.refresh_checked:

@@ -75,3 +75,9 @@ def test_doctor_reports_hardware_and_runs_smoke_job(runs_dir):
     assert out.returncode == 0, out.stderr
     assert "CPUs" in out.stdout and "launcher default" in out.stdout
     assert "doctor: OK — all-reduce over 2 rank(s)" in out.stdout
+
+
+def test_course_refuses_unknown_notebook_names():
+    out = gpucourse("course", "--only", "99_nope")
+    assert out.returncode == 2
+    assert "no notebook matches 99_nope" in out.stderr and "00_setup_and_first_launch" in out.stderr

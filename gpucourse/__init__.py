@@ -14,6 +14,7 @@ _LAZY = {
     "load_run": "gpucourse.result",
     "list_runs": "gpucourse.result",
     "hardware_report": "gpucourse.hardware",
+    "analyze_run": "gpucourse.traces",
 }
 
 

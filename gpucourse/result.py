@@ -112,9 +112,14 @@ class RunResult:
 
     @property
     def traces(self) -> dict[int, Path]:
+        """Chrome traces written by `runtime.profile()` (default name), by rank."""
+        return self.traces_named("rank")
+
+    def traces_named(self, name: str) -> dict[int, Path]:
+        """Traces written by `runtime.profile(name=...)`: `traces/<name><rank>.json`, by rank."""
         out = {}
-        for path in (self.run_dir / "traces").glob("*.json"):
-            m = re.search(r"(\d+)$", path.stem)
+        for path in (self.run_dir / "traces").glob(f"{name}*.json"):
+            m = re.fullmatch(re.escape(name) + r"(\d+)", path.stem)
             if m:
                 out[int(m.group(1))] = path
         return dict(sorted(out.items()))

@@ -1,0 +1,312 @@
+"""Trace analysis: exact interval arithmetic on hand-made traces, clear errors on bad files, and the breakdown of
+real profiled gloo jobs checked against what the job did (known sleeps, blocking vs async all-reduces)."""
+import io
+import json
+import math
+import random
+import shutil
+
+import pytest
+
+from gpucourse import launch, timeline
+from gpucourse.traces import (
+    TraceError, analyze_run, analyze_trace, intersect, subtract, total, union,
+)
+
+from .conftest import JOBS
+
+MAIN, GLOO = 1, 2  # thread ids in the hand-made traces
+
+
+def ev(name, ts, dur, *, tid=MAIN, cat="cpu_op", pid=100, **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def step(n, ts, dur):
+    return ev(f"ProfilerStep#{n}", ts, dur, cat="user_annotation")
+
+
+def gloo(ts, dur):
+    return ev("gloo:all_reduce", ts, dur, tid=GLOO, cat="user_annotation")
+
+
+def write_trace(path, events, *, rank=0, world_size=2, backend="gloo", **top):
+    data = {"schemaVersion": 1, "distributedInfo": {"backend": backend, "rank": rank, "world_size": world_size},
+            "traceEvents": [{"ph": "M", "name": "thread_name", "pid": 100, "tid": MAIN, "args": {"name": "python"}},
+                            *events], **top}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def fake_run(tmp_path, traces: dict, world_size=2):
+    """A run directory as the launcher leaves it, holding the given {file name: events} traces."""
+    run_dir = tmp_path / "fake-run"
+    (run_dir / "traces").mkdir(parents=True)
+    (run_dir / "manifest.json").write_text(json.dumps({"world_size": world_size, "backend": "gloo",
+                                                       "device": "cpu", "status": "ok"}))
+    for file_name, events in traces.items():
+        write_trace(run_dir / "traces" / file_name, events, rank=int(file_name[-6]), world_size=world_size)
+    return run_dir
+
+
+ONE_STEP = [step(0, 0, 100), ev("aten::linear", 10, 30), ev("aten::mm", 20, 10), gloo(35, 25)]
+
+
+# --- interval arithmetic ---------------------------------------------------------------------------
+def test_union_merges_nested_overlapping_and_touching_and_drops_empty():
+    assert union([(5, 6), (0, 2), (1, 3), (3, 4), (10, 20), (12, 15), (7, 7)]) == [(0, 4), (5, 6), (10, 20)]
+
+
+def test_interval_operations_agree_with_counting_unit_cells():
+    rng = random.Random(0)
+
+    def cells(intervals):
+        return {t for s, e in intervals for t in range(s, e)}
+
+    for _ in range(200):
+        a = [(s, s + rng.randint(0, 8)) for s in (rng.randint(0, 40) for _ in range(rng.randint(0, 6)))]
+        b = [(s, s + rng.randint(0, 8)) for s in (rng.randint(0, 40) for _ in range(rng.randint(0, 6)))]
+        ua, ub = union(a), union(b)
+        assert total(ua) == len(cells(a))
+        assert cells(intersect(ua, ub)) == cells(a) & cells(b)
+        assert cells(subtract(ua, ub)) == cells(a) - cells(b)
+        assert all(e1 < s2 for (_, e1), (s2, _) in zip(subtract(ua, ub), subtract(ua, ub)[1:]))
+
+
+# --- hand-made CPU traces: what counts as compute and as communication ------------------------------
+def test_nested_events_count_once_and_exposed_comm_is_comm_outside_compute(tmp_path):
+    # compute: linear [10,40] holding mm [20,30], plus an annotated region [50,70] -> 50 us, not 60
+    # comm: gloo [35,60] -> 25 us; exposed = [40,50] = 10 us, overlapped = 15 us; other = 100 - 50 - 10
+    events = [*ONE_STEP, ev("c10d::allreduce_", 40, 2), ev("compute", 50, 20, cat="user_annotation")]
+    ra = analyze_trace(write_trace(tmp_path / "rank0.json", events))
+    (s,) = ra.steps
+    assert (s.step, s.duration_us, s.compute_us, s.comm_us) == (0, 100, 50, 25)
+    assert (s.exposed_comm_us, s.overlapped_comm_us, s.other_us) == (10, 15, 40)
+    assert s.overlap == pytest.approx(0.6)
+    assert ra.intervals == {"compute": [(10, 40), (50, 70)], "comm": [(35, 60)]}
+    assert ra.kind == "cpu-gloo" and ra.backend == "gloo" and ra.world_size == 2
+
+
+def test_a_region_around_a_blocking_collective_is_not_compute(tmp_path):
+    # "train_step" encloses the all_reduce call: counting it would hide the blocking wait [32,79] as compute.
+    events = [step(3, 0, 100), ev("train_step", 0, 90, cat="user_annotation"), ev("aten::mm", 5, 20),
+              ev("c10d::allreduce_", 30, 2), ev("record_param_comms", 30, 1.5), ev("aten::add", 80, 10),
+              gloo(31, 48)]
+    (s,) = analyze_trace(write_trace(tmp_path / "rank0.json", events)).steps
+    assert (s.compute_us, s.comm_us, s.exposed_comm_us, s.other_us) == (30, 48, 48, 22)
+    assert s.overlap == 0
+
+
+def test_communication_straddling_a_step_boundary_is_split_between_the_steps(tmp_path):
+    events = [step(1, 0, 50), step(2, 50, 50), ev("aten::mm", 0, 45), ev("aten::mm", 55, 45), gloo(40, 20)]
+    s1, s2 = analyze_trace(write_trace(tmp_path / "rank0.json", events)).steps
+    assert [(s.step, s.start_us, s.duration_us) for s in (s1, s2)] == [(1, 0, 50), (2, 50, 50)]
+    assert (s1.comm_us, s1.exposed_comm_us, s2.comm_us, s2.exposed_comm_us) == (10, 5, 10, 5)
+    assert math.isnan(analyze_trace(write_trace(tmp_path / "r.json", [step(0, 0, 10)])).steps[0].overlap)
+
+
+# --- hand-made GPU trace ----------------------------------------------------------------------------
+def test_gpu_trace_uses_kernels_nccl_is_comm_and_steps_follow_the_launches(tmp_path):
+    def launch_(ts, corr):
+        return ev("cudaLaunchKernel", ts, 2, cat="cuda_runtime", correlation=corr)
+
+    def kernel(name, ts, dur, corr, stream, cat="kernel"):
+        return ev(name, ts, dur, pid=0, tid=stream, cat=cat, correlation=corr, stream=stream, device=0)
+
+    events = [step(5, 0, 100), step(6, 100, 100),
+              ev("record_param_comms", 18, 5), ev("nccl:all_reduce", 19, 3, cat="user_annotation"),
+              launch_(10, 1), launch_(20, 2), launch_(30, 3), launch_(110, 4), launch_(120, 5),
+              kernel("sm90_xmma_gemm_f32", 50, 40, 1, 7),
+              kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 70, 60, 2, 20),
+              kernel("Memcpy DtoH (Device -> Pinned)", 130, 5, 3, 7, cat="gpu_memcpy"),
+              kernel("sm90_xmma_gemm_f32", 150, 30, 4, 7),
+              kernel("ncclKernel_AllReduce_RING_LL_Sum_float", 180, 20, 5, 20)]
+    ra = analyze_trace(write_trace(tmp_path / "rank1.json", events, rank=1, backend="nccl",
+                                   deviceProperties=[{"id": 0, "name": "NVIDIA H100 80GB HBM3"}]))
+    assert ra.kind == "gpu" and ra.rank == 1 and ra.device == "NVIDIA H100 80GB HBM3"
+    s5, s6 = ra.steps
+    # step 5 runs on the GPU from its first kernel (50) to step 6's first kernel (150); the memcpy is "other"
+    assert (s5.start_us, s5.duration_us, s5.compute_us, s5.comm_us, s5.exposed_comm_us, s5.other_us) == (
+        50, 100, 40, 60, 40, 20)
+    assert (s6.start_us, s6.duration_us, s6.compute_us, s6.comm_us, s6.exposed_comm_us, s6.other_us) == (
+        150, 50, 30, 20, 20, 0)
+
+
+# --- bad input: clear messages naming the file -----------------------------------------------------
+def test_truncated_json_names_the_file(tmp_path):
+    path = write_trace(tmp_path / "rank0.json", ONE_STEP)
+    path.write_text(path.read_text()[:150])
+    with pytest.raises(TraceError, match=r"rank0\.json is not valid JSON.*truncated"):
+        analyze_trace(path)
+
+
+def test_foreign_json_is_not_a_trace(tmp_path):
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"loss": [1.0, 0.5]}))
+    with pytest.raises(TraceError, match=r"rank0\.json is JSON but not a chrome trace"):
+        analyze_trace(path)
+
+
+def test_trace_without_step_markers_says_to_call_prof_step(tmp_path):
+    with pytest.raises(TraceError, match=r"no ProfilerStep#N markers.*prof\.step\(\)"):
+        analyze_trace(write_trace(tmp_path / "rank0.json", [ev("aten::mm", 0, 5)]))
+
+
+def test_a_bad_rank_is_reported_and_the_others_still_analysed(tmp_path):
+    run_dir = fake_run(tmp_path, {"rank0.json": ONE_STEP, "rank1.json": ONE_STEP})
+    (run_dir / "traces" / "rank1.json").write_text('{"traceEvents": [{"ph": "X", "na')
+    analysis = analyze_run(run_dir)
+    assert list(analysis.ranks) == [0] and analysis.world_size == 2
+    assert len(analysis.problems) == 1 and "rank 1" in analysis.problems[0]
+    assert str(run_dir / "traces" / "rank1.json") in analysis.problems[0]
+    assert "problem: rank 1" in analysis.summary()
+
+
+def test_run_without_traces_or_with_only_bad_ones_raises(tmp_path):
+    run_dir = fake_run(tmp_path, {})
+    with pytest.raises(TraceError, match=r"no traces named rank<rank>\.json in .*traces: .*runtime\.profile"):
+        analyze_run(run_dir)
+    write_trace(run_dir / "traces" / "sync0.json", ONE_STEP)
+    with pytest.raises(TraceError, match=r"it holds sync0\.json: pass name="):
+        analyze_run(run_dir)
+    (run_dir / "traces" / "sync0.json").write_text("{}")
+    with pytest.raises(TraceError, match=r"no rank of .* could be analysed:\n  rank 0: .*sync0\.json"):
+        analyze_run(run_dir, name="sync")
+    with pytest.raises(TraceError, match=r"is not a run directory"):
+        analyze_run(tmp_path / "nowhere")
+
+
+# --- real profiled jobs ----------------------------------------------------------------------------
+COMPUTE_MS, ACTIVE, FIRST_ACTIVE = 40.0, 3, 2  # profile(wait=1, warmup=1, active=3): steps 2, 3, 4 recorded
+
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory):
+    """One 2-rank job, two profiled phases (sync and overlap); launched once for the whole module (≈10-30 s)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GPUCOURSE_RUNS_DIR", str(tmp_path_factory.mktemp("runs")))
+        return launch(JOBS / "profiled_job.py", nproc=2, name="profiled", timeout=240, live=False,
+                      args=["--compute-ms", str(COMPUTE_MS), "--active", str(ACTIVE), "--numel", str(1 << 20)])
+
+
+@pytest.fixture(scope="module")
+def sync(profiled_run):
+    return analyze_run(profiled_run, name="sync")
+
+
+@pytest.fixture(scope="module")
+def overlap(profiled_run):
+    return analyze_run(profiled_run, name="overlap")
+
+
+def slept_ms(run, phase, rank):
+    return {rec["step"]: rec["sleep_ms"] for rec in run.metrics[rank] if rec.get("phase") == phase}
+
+
+def test_real_traces_are_cpu_gloo_with_every_active_step(sync, overlap):
+    for analysis in (sync, overlap):
+        assert (analysis.kind, analysis.backend, analysis.world_size, analysis.device) == ("cpu-gloo", "gloo", 2, "cpu")
+        assert list(analysis.ranks) == [0, 1] and analysis.problems == []
+        for ra in analysis.ranks.values():
+            assert [s.step for s in ra.steps] == list(range(FIRST_ACTIVE, FIRST_ACTIVE + ACTIVE))
+            ends = [s.start_us + s.duration_us for s in ra.steps]
+            assert all(end <= nxt.start_us for end, nxt in zip(ends, ra.steps[1:]))
+
+
+def test_compute_is_the_known_sleep(profiled_run, sync, overlap):
+    for phase, analysis in (("sync", sync), ("overlap", overlap)):
+        for rank, ra in analysis.ranks.items():
+            slept = slept_ms(profiled_run, phase, rank)
+            for s in ra.steps:
+                assert slept[s.step] >= COMPUTE_MS
+                assert slept[s.step] - 0.5 <= s.compute_us / 1e3 <= slept[s.step] + 3, (phase, s)
+
+
+def test_blocking_allreduce_is_exposed_and_the_step_is_compute_plus_comm(profiled_run, sync):
+    for rank, ra in sync.ranks.items():
+        slept = slept_ms(profiled_run, "sync", rank)
+        for s in ra.steps:
+            assert s.comm_us > 500  # 4 MiB through gloo: at least half a millisecond, here
+            assert s.overlap < 0.05
+            expected_ms = slept[s.step] + s.comm_us / 1e3
+            assert abs(s.duration_us / 1e3 - expected_ms) <= 3 + 0.1 * expected_ms, s
+
+
+def test_async_allreduce_overlaps_the_compute(sync, overlap):
+    for rank in (0, 1):
+        assert overlap.ranks[rank].overlap > 0.5 > sync.ranks[rank].overlap
+        assert overlap.ranks[rank].mean("exposed_comm_us") < sync.ranks[rank].mean("exposed_comm_us")
+        assert overlap.ranks[rank].mean("duration_us") < sync.ranks[rank].mean("duration_us")
+
+
+def test_table_and_summary_report_the_step_means(sync):
+    rows = sync.table()
+    assert [r["rank"] for r in rows] == [0, 1]
+    for row in rows:
+        steps = sync.ranks[row["rank"]].steps
+        assert row["steps"] == ACTIVE
+        assert row["step_ms"] == pytest.approx(sum(s.duration_us for s in steps) / len(steps) / 1e3)
+        assert row["compute_ms"] + row["exposed_comm_ms"] + row["other_ms"] == pytest.approx(row["step_ms"])
+        assert f"{row['comm_ms']:.2f}" in sync.summary()
+    assert "gloo, 2 ranks" in sync.summary().splitlines()[0]
+
+
+def test_missing_rank_trace_is_reported_and_rank0_still_analysed(profiled_run, tmp_path):
+    copy = shutil.copytree(profiled_run.run_dir, tmp_path / profiled_run.run_dir.name)
+    (copy / "traces" / "sync1.json").unlink()
+    analysis = analyze_run(copy, name="sync")
+    assert list(analysis.ranks) == [0] and len(analysis.ranks[0].steps) == ACTIVE
+    (problem,) = analysis.problems
+    assert problem.startswith("rank 1: no trace") and str(copy / "traces" / "sync1.json") in problem
+
+
+# --- plots -------------------------------------------------------------------------------------------
+def render(fig):
+    fig.savefig(io.BytesIO(), format="png")  # draws everything: catches errors that only show when rendering
+
+
+def test_timeline_has_one_lane_per_rank_and_names_the_run(profiled_run, overlap):
+    fig = timeline.timeline_plot(overlap)
+    render(fig)
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
+    title = ax.get_title()
+    assert "gloo" in title and "2 ranks" in title and profiled_run.name in title and "cpu" in title
+    step_labels = [t.get_text().strip() for t in ax.texts]
+    assert step_labels.count("step 2") == 2 and len(step_labels) == 2 * ACTIVE
+
+
+def test_breakdown_bars_stack_to_the_mean_step_time(overlap):
+    fig = timeline.breakdown_plot(overlap)
+    render(fig)
+    (ax,) = fig.axes
+    for rank in (0, 1):
+        bars = [c.patches[rank] for c in ax.containers]
+        assert len(bars) == 4  # compute alone, overlapped, exposed, other
+        assert bars[-1].get_y() + bars[-1].get_height() == pytest.approx(
+            overlap.ranks[rank].mean("duration_us") / 1e3)
+        assert bars[1].get_height() > 0  # the async all-reduce hid behind compute
+    assert "2 ranks" in ax.get_title()
+
+
+def test_step_time_plot_shows_every_step(sync):
+    fig = timeline.step_time_plot(sync)
+    render(fig)
+    (ax,) = fig.axes
+    dots = [line for line in ax.lines if line.get_gid() == "steps"]
+    assert [list(d.get_ydata()) for d in dots] == [
+        [s.duration_us / 1e3 for s in sync.ranks[r].steps] for r in (0, 1)]
+
+
+def test_scaling_efficiency_is_throughput_over_n_times_the_baseline():
+    assert timeline.efficiencies({1: 100.0, 2: 180.0, 4: [290.0, 310.0]}) == pytest.approx({1: 1, 2: 0.9, 4: 0.75})
+    assert timeline.efficiencies({2: 200.0, 4: 300.0}) == pytest.approx({2: 1, 4: 0.75})  # baseline N=2
+    fig = timeline.scaling_plot({1: 100.0, 2: 180.0, 4: 300.0}, mode="weak", label="cpu, gloo")
+    render(fig)
+    ax_t, ax_e = fig.axes
+    assert list(ax_e.lines[0].get_ydata()) == pytest.approx([100, 90, 75])
+    assert fig.get_suptitle() == "Weak scaling: cpu, gloo"
+    with pytest.raises(ValueError, match="mode must be"):
+        timeline.scaling_plot({1: 1.0}, mode="linear")
+    with pytest.raises(ValueError, match="bad measurement 0"):
+        timeline.efficiencies({0: 5.0})

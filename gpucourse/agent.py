@@ -27,6 +27,7 @@ from .procs import descendants, terminate
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 GRACE_S = 3.0
+SCRIPT_ARGS_ENV = "GPUCOURSE_SCRIPT_ARGS"  # JSON list: the training script's arguments
 
 
 def _prctl(option: int, value: int) -> None:
@@ -106,11 +107,15 @@ def main(argv: list[str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    args = torchrun.parse_args(torchrun_args)
+    # The script's own arguments travel apart: torchrun's parser would take `--nproc` after the script
+    # for an abbreviation of its own `--nproc-per-node`.
+    args.training_script_args = json.loads(os.environ.pop(SCRIPT_ARGS_ENV, "[]"))
     default_specs = torchrun._get_logs_specs_class
     torchrun._get_logs_specs_class = lambda name: _rank_logs_specs() if name == "gpucourse" else default_specs(name)
     record, code = {"status": "ok", "failures": []}, 0
     try:
-        torchrun.run(torchrun.parse_args(torchrun_args))
+        torchrun.run(args)
     except ChildFailedError as err:
         root_rank = _root_rank(err.failures)
         record = {"status": "failed", "root_rank": root_rank,

@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from . import hardware
+from .agent import SCRIPT_ARGS_ENV
 from .live import make_view
 from .paths import RUN_DIR_ENV, new_run_dir, runs_root
 from .procs import alive, descendants, rank_of, terminate
@@ -117,12 +118,12 @@ def _torchrun_args(script: Path, args, run_dir: Path, nproc: int, nnodes: int, n
     else:
         nodes = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", run_dir.name]
-    return nodes + common + [str(script), *map(str, args)]
+    return nodes + common + [str(script)]  # the script's own arguments go through SCRIPT_ARGS_ENV
 
 
-def _job_env(run_dir: Path, backend: str, nproc: int, nnodes: int, extra: dict | None) -> dict:
+def _job_env(run_dir: Path, backend: str, nproc: int, nnodes: int, extra: dict | None, args) -> dict:
     env = dict(os.environ)
-    env.update({RUN_DIR_ENV: str(run_dir), "GPUCOURSE_BACKEND": backend, "PYTHONUNBUFFERED": "1",
+    env.update({RUN_DIR_ENV: str(run_dir), SCRIPT_ARGS_ENV: json.dumps(list(map(str, args))), "GPUCOURSE_BACKEND": backend, "PYTHONUNBUFFERED": "1",
                 # Restarts under gloo are unreliable when workers share the agent's store (pytorch#135712).
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -211,7 +212,7 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
     run_dir = _writable_run_dir(name or script.stem)
     world = nproc * nnodes
     endpoint = rdzv_endpoint or (f"127.0.0.1:{_free_port()}" if nnodes > 1 else None)
-    job_env = _job_env(run_dir, backend, nproc, local_nodes, env)
+    job_env = _job_env(run_dir, backend, nproc, local_nodes, env, args)
     commands = []
     for k in range(local_nodes):
         node = node_rank if rdzv_endpoint else k
@@ -223,9 +224,10 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
         "name": run_dir.name, "script": str(script), "args": list(map(str, args)), "backend": backend,
         "nproc_per_node": nproc, "nnodes": nnodes, "world_size": world,
         "device": "cuda" if backend == "nccl" or hardware.gpu_count() else "cpu",
-        "torchrun": ["torchrun", *commands[0][1][5:]], "commands": [c for _, c in commands],
+        "torchrun": ["torchrun", *commands[0][1][5:], *map(str, args)], "commands": [c for _, c in commands],
         "host": socket.gethostname(), "versions": _versions(), "start": time.time(), "status": "running",
-        "env": {k: v for k, v in job_env.items() if k.startswith(("GPUCOURSE_", "OMP_", "GLOO_", "NCCL_", "TORCH_"))}}
+        "env": {k: v for k, v in job_env.items()
+                if k.startswith(("GPUCOURSE_", "OMP_", "GLOO_", "NCCL_", "TORCH_")) and k != SCRIPT_ARGS_ENV}}
     _write_manifest(run_dir, manifest)
 
     header = f"{script.name}: {world} rank(s), backend {backend}, {manifest['device']} — {run_dir}"

@@ -254,3 +254,8 @@ def test_runtime_script_runs_under_plain_torchrun(tmp_path, runs_dir):
     assert out.returncode == 0, out.stderr
     metrics = sorted(runs_dir.glob("worker-torchrun-*/metrics/rank*.jsonl"))
     assert [m.name for m in metrics] == ["rank0.jsonl", "rank1.jsonl"]  # both ranks chose the same folder
+
+
+def test_script_arguments_that_look_like_torchrun_options_reach_the_script(runs_dir):
+    res = launch(JOBS / "echo_args.py", nproc=1, args=["--nproc", "7", "--standalone", "x y"], live=False)
+    assert res.log(0).strip() == "['--nproc', '7', '--standalone', 'x y']"

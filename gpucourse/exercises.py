@@ -1,0 +1,214 @@
+"""The course's exercises: where they live, how `ex01` names them, and how `exercises/` is made from `solutions/`.
+
+`solutions/exNN_<name>.py` is the single source. The learner's part of each function is fenced:
+
+        ### BEGIN SOLUTION
+        ### HINT: a short hint shown when the exercise is run unsolved (optional)
+        ...reference code...
+        ### END SOLUTION
+
+`generate_exercises()` writes `exercises/exNN_<name>.py` with every fence replaced, at the same
+indentation, by `# YOUR CODE HERE` and `raise NotImplementedError("<hint>")`; everything else
+(docstrings stating the task and rules, imports, scaffolding) is kept as it is.
+
+Exercises are discovered by scanning `solutions/ex*.py` and `tests/graders/test_ex*.py`: a new
+chapter adds its files and needs no change here.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from .paths import project_root
+
+BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
+DEFAULT_HINT = "write this part of the exercise (see the docstring)"
+NAME_RE = re.compile(r"^ex(\d{2})_\w+$")
+KEYWORD_TARGETS = ("exercises", "solutions")
+
+
+class ExerciseError(ValueError):
+    """A bad exercise id, target or solution file: the message says what was wrong and what to do."""
+
+
+# --- where things are ------------------------------------------------------------------------------
+def course_root() -> Path:
+    """The checkout holding solutions/, exercises/ and tests/graders/ (the current folder for a plain install)."""
+    return project_root() or Path.cwd().resolve()
+
+
+def solutions_dir() -> Path:
+    return course_root() / "solutions"
+
+
+def exercises_dir() -> Path:
+    return course_root() / "exercises"
+
+
+def graders_dir() -> Path:
+    return course_root() / "tests" / "graders"
+
+
+def _named(paths, strip: str = "") -> dict[str, Path]:
+    out = {}
+    for path in paths:
+        name = path.stem[len(strip):]
+        if NAME_RE.match(name):
+            out[name] = path
+    return dict(sorted(out.items()))
+
+
+def solution_files(folder: Path | None = None) -> dict[str, Path]:
+    """{exercise name: solution file}, e.g. {'ex01_ring_allreduce': .../solutions/ex01_ring_allreduce.py}."""
+    return _named((folder or solutions_dir()).glob("ex*.py"))
+
+
+def grader_files() -> dict[str, Path]:
+    """{exercise name: grader file}, from tests/graders/test_exNN_<name>.py."""
+    return _named(graders_dir().glob("test_ex*.py"), strip="test_")
+
+
+def all_exercises() -> list[str]:
+    return sorted(set(solution_files()) | set(grader_files()))
+
+
+def resolve(exercise_id: str) -> list[str]:
+    """'ex01' → every exercise of chapter 01; 'ex01_ring_allreduce' (or '...py') → that one exercise."""
+    known = all_exercises()
+    wanted = exercise_id.strip().lower().removesuffix(".py")
+    chapter = re.fullmatch(r"ex(\d{1,2})", wanted)
+    if chapter:
+        prefix = f"ex{int(chapter.group(1)):02d}_"
+        found = [name for name in known if name.startswith(prefix)]
+    else:
+        found = [name for name in known if name == wanted]
+    if not found:
+        listing = ", ".join(known) or "none (no solutions/ex*.py found)"
+        raise ExerciseError(f"unknown exercise {exercise_id!r}: use a chapter id like ex01 or a full name; "
+                            f"known exercises: {listing}")
+    return found
+
+
+# --- what a submission must provide ---------------------------------------------------------------
+def defined_names(tree: ast.Module) -> set[str]:
+    """Top-level names a module defines (functions, classes, assignments, imports)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def required_names(name: str) -> list[str]:
+    """The public functions and classes of the solution: what a submission of `name` must define."""
+    path = solution_files().get(name)
+    if path is None:
+        return []
+    tree = ast.parse(path.read_text(), str(path))
+    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")]
+
+
+def target_file(target: str | Path, name: str) -> Path:
+    """The file to grade for exercise `name`: 'exercises' | 'solutions' | a folder holding `<name>.py` | a file."""
+    if str(target) in KEYWORD_TARGETS:
+        return course_root() / str(target) / f"{name}.py"
+    path = Path(target).expanduser().resolve()
+    return path / f"{name}.py" if path.is_dir() else path
+
+
+def check_target(target: str | Path, names: list[str]) -> dict[str, Path]:
+    """{name: file to grade}, or ExerciseError when the target cannot be graded at all.
+
+    A file with a syntax error passes this check on purpose: it is graded (zero, with the error shown).
+    """
+    if str(target) not in KEYWORD_TARGETS and not Path(target).expanduser().exists():
+        raise ExerciseError(f"target {target} does not exist: use 'exercises', 'solutions', a folder or a file")
+    if str(target) not in KEYWORD_TARGETS and Path(target).is_file() and len(names) > 1:
+        raise ExerciseError(f"target {target} is one file but {len(names)} exercises were asked for "
+                            f"({', '.join(names)}): give a folder, or one exercise's full name")
+    files = {}
+    for name in names:
+        path = target_file(target, name)
+        if not path.is_file():
+            hint = " (run `gpucourse make-exercises`)" if str(target) == "exercises" else ""
+            raise ExerciseError(f"{path} not found: the target must contain {name}.py{hint}")
+        try:
+            tree = ast.parse(path.read_text(errors="replace"), str(path))
+        except SyntaxError:
+            files[name] = path
+            continue
+        missing = [n for n in required_names(name) if n not in defined_names(tree)]
+        if missing:
+            raise ExerciseError(f"{path} does not define {', '.join(missing)}, which {name} asks for")
+        files[name] = path
+    return files
+
+
+# --- exercises/ from solutions/ -------------------------------------------------------------------
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def render_exercise(source: str, filename: str = "<solution>") -> str:
+    """The exercise text of one solution: every BEGIN/END SOLUTION block replaced by a NotImplementedError stub."""
+    out, block_start, hint, indent = [], None, None, ""
+    for lineno, line in enumerate(source.splitlines(keepends=True), 1):
+        stripped = line.strip()
+        if stripped.startswith(BEGIN):
+            if block_start is not None:
+                raise ExerciseError(f"{filename}:{lineno}: BEGIN SOLUTION inside the block opened at line "
+                                    f"{block_start}: close it with {END} first")
+            block_start, hint, indent = lineno, None, line[: len(line) - len(line.lstrip())]
+        elif stripped.startswith(END):
+            if block_start is None:
+                raise ExerciseError(f"{filename}:{lineno}: END SOLUTION without a BEGIN SOLUTION before it")
+            out += [f"{indent}# YOUR CODE HERE\n",
+                    f"{indent}raise NotImplementedError({_quote(hint or DEFAULT_HINT)})\n"]
+            block_start = None
+        elif block_start is not None:
+            if stripped.startswith(HINT) and hint is None:
+                hint = stripped[len(HINT):].strip()
+        else:
+            out.append(line)
+    if block_start is not None:
+        raise ExerciseError(f"{filename}:{block_start}: BEGIN SOLUTION is never closed with {END}")
+    return "".join(out)
+
+
+def _header(solution: Path) -> str:
+    return (f"# Generated from solutions/{solution.name} by `gpucourse make-exercises`: course authors edit the\n"
+            f"# solution, not this file. Learners: fill in every `# YOUR CODE HERE`, then `gpucourse grade "
+            f"{solution.stem.split('_')[0]}`.\n")
+
+
+def generate_exercises(check: bool = False, solutions: Path | None = None,
+                       exercises: Path | None = None) -> list[Path]:
+    """Regenerate exercises/ from solutions/. Returns the exercise files that were (check=True: that are) stale.
+
+    Stale: missing, different from what the solution generates, or generated from a solution that is gone.
+    check=True changes nothing.
+    """
+    solutions, exercises = solutions or solutions_dir(), exercises or exercises_dir()
+    stale = []
+    wanted = {}
+    for name, src in solution_files(solutions).items():
+        wanted[exercises / f"{name}.py"] = _header(src) + render_exercise(src.read_text(), str(src))
+    orphans = [p for p in solution_files(exercises).values()
+               if p not in wanted and p.read_text(errors="replace").startswith("# Generated from solutions/")]
+    for path, text in wanted.items():
+        if not path.is_file() or path.read_text() != text:
+            stale.append(path)
+            if not check:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+    for path in orphans:
+        stale.append(path)
+        if not check:
+            path.unlink()
+    return stale

@@ -1,0 +1,389 @@
+"""Grading: run an exercise's graders on a learner's code and report points, in a table, JSON or Gradescope's format.
+
+    gpucourse grade ex01                        # your exercises/ (the default target)
+    gpucourse grade ex01 --target solutions     # or a folder, or one file
+    gpucourse grade ex01 --class SUBMISSIONS --csv grades.csv   # one folder per learner
+    gpucourse make-exercises [--check]          # regenerate exercises/ from solutions/
+
+    report = gpucourse.grading.grade("ex01")    # in a notebook: shows as an HTML table
+
+The graders are pytest files, tests/graders/test_exNN_<name>.py, whose tests carry
+`@pytest.mark.points(n)`. They run in a pytest subprocess (this module is its plugin, `-p
+gpucourse.grading`, and writes each test's outcome to a JSON file), so a submission that crashes,
+hangs or floods its output can cost its own points but never the grader. Each test launches its
+real multi-rank jobs through gpucourse.launch, with time limits.
+"""
+from __future__ import annotations
+
+import csv
+import html
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+
+from . import exercises
+from .exercises import ExerciseError
+
+TARGET_ENV = "GPUCOURSE_GRADE_TARGET"
+RESULTS_ENV = "GPUCOURSE_GRADE_RESULTS"
+GRADE_TIMEOUT_S = 900  # the whole pytest run; each job inside has its own, much shorter, limits
+REASON_CHARS = 300
+
+
+# --- results -------------------------------------------------------------------------------------
+@dataclass
+class TestOutcome:
+    exercise: str
+    name: str
+    max_score: float
+    outcome: str  # passed | failed | error | skipped | not run
+    reason: str = ""
+    duration: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "passed"
+
+    @property
+    def score(self) -> float:
+        return self.max_score if self.passed else 0.0
+
+
+@dataclass
+class GradeReport:
+    """The points of one grading run. `problems` are reasons the graders could not run at all."""
+
+    exercise_id: str
+    target: str
+    files: dict[str, str]
+    tests: list[TestOutcome] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    duration: float = 0.0
+
+    @property
+    def score(self) -> float:
+        return sum(t.score for t in self.tests)
+
+    @property
+    def max_score(self) -> float:
+        return sum(t.max_score for t in self.tests)
+
+    @property
+    def passed(self) -> int:
+        return sum(t.passed for t in self.tests)
+
+    def table(self) -> str:
+        width = max([len(t.name) for t in self.tests] + [20])
+        lines = [f"{self.exercise_id} — target {self.target}"]
+        for name, path in self.files.items():
+            lines.append(f"  {name}: {path}")
+        lines += [f"  problem: {p}" for p in self.problems]
+        lines.append(f"  {'test'.ljust(width)}  points  result")
+        for t in self.tests:
+            mark = "ok" if t.passed else t.outcome.upper()
+            reason = f"  {t.reason}" if t.reason and not t.passed else ""
+            lines.append(f"  {t.name.ljust(width)}  {_num(t.score):>2}/{_num(t.max_score):<3}  {mark}{reason}")
+        lines.append(f"  {'total'.ljust(width)}  {_num(self.score):>2}/{_num(self.max_score):<3}  "
+                     f"{self.passed} of {len(self.tests)} tests passed in {self.duration:.0f} s")
+        return "\n".join(lines)
+
+    __str__ = table
+
+    def _repr_html_(self) -> str:
+        rows = []
+        for t in self.tests:
+            colour = "#2e7d32" if t.passed else "#c62828"
+            rows.append(f"<tr><td><code>{html.escape(t.name)}</code></td><td>{_num(t.score)}/{_num(t.max_score)}</td>"
+                        f"<td style='color:{colour}'>{'passed' if t.passed else html.escape(t.outcome)}</td>"
+                        f"<td>{'' if t.passed else html.escape(t.reason)}</td></tr>")
+        problems = "".join(f"<p style='color:#c62828'>{html.escape(p)}</p>" for p in self.problems)
+        return (f"<div><b>{html.escape(self.exercise_id)}: {_num(self.score)} / {_num(self.max_score)} points</b> "
+                f"({self.passed} of {len(self.tests)} tests passed, target {html.escape(self.target)}){problems}"
+                f"<table><tr><th>test</th><th>points</th><th>result</th><th>why</th></tr>{''.join(rows)}</table></div>")
+
+    def to_dict(self) -> dict:
+        return {"exercise": self.exercise_id, "target": self.target, "files": self.files, "score": self.score,
+                "max_score": self.max_score, "passed": self.passed, "problems": self.problems,
+                "duration": round(self.duration, 3),
+                "tests": [{**asdict(t), "score": t.score} for t in self.tests]}
+
+    def to_gradescope(self) -> dict:
+        """Gradescope autograder results.json: score, max_score, and one entry per test."""
+        return {"score": self.score, "max_score": self.max_score, "execution_time": round(self.duration, 1),
+                "output": "\n".join(self.problems) or f"{self.passed} of {len(self.tests)} tests passed",
+                "tests": [{"name": f"{t.exercise}: {t.name}", "score": t.score, "max_score": t.max_score,
+                           "status": "passed" if t.passed else "failed", "output": t.reason} for t in self.tests]}
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+# --- running the graders -------------------------------------------------------------------------
+def _graders_for(names: list[str]) -> list[Path]:
+    graders = exercises.grader_files()
+    missing = [n for n in names if n not in graders]
+    if missing:
+        raise ExerciseError(f"no grader for {', '.join(missing)}: expected tests/graders/test_{missing[0]}.py")
+    return [graders[n] for n in names]
+
+
+def _target_arg(target) -> str:
+    """What the graders get in GPUCOURSE_GRADE_TARGET: a keyword, or an absolute path (they run elsewhere)."""
+    target = str(target)
+    return target if target in exercises.KEYWORD_TARGETS else str(Path(target).expanduser().resolve())
+
+
+def _require_pytest() -> None:
+    if find_spec("pytest") is None:
+        raise ExerciseError("grading runs the graders with pytest, which is not installed: pip install pytest")
+
+
+def grade(exercise: str, target: str | Path = "exercises", *, timeout: float = GRADE_TIMEOUT_S) -> GradeReport:
+    """Grade `exercise` ('ex01' or a full name) on `target`: 'exercises' (default), 'solutions', a folder or a file.
+
+    Raises ExerciseError for an unknown exercise or a target that cannot be graded (missing, or not
+    defining the exercise's functions). A submission that fails in any other way is graded.
+    """
+    names = exercises.resolve(exercise)
+    files = exercises.check_target(target, names)
+    return run_graders(exercise, names, target, files, timeout=timeout)
+
+
+def run_graders(exercise: str, names: list[str], target, files: dict[str, Path], *,
+                timeout: float = GRADE_TIMEOUT_S) -> GradeReport:
+    """Run the graders of `names` on `target` and read back every test's outcome as a GradeReport."""
+    graders = _graders_for(names)
+    _require_pytest()
+    report = GradeReport(exercise, str(target), {n: str(p) for n, p in files.items()})
+    start = time.monotonic()
+    data, output = run_pytest(graders, {TARGET_ENV: _target_arg(target)}, timeout)
+    report.duration = time.monotonic() - start
+    if data is None:
+        tail = " | ".join(output.strip().splitlines()[-3:]) or "no output"
+        report.problems.append(f"the graders did not finish (pytest output ends: {tail[-REASON_CHARS:]})")
+        return report
+    report.problems += data["collect_errors"]
+    for rec in data["tests"]:
+        report.tests.append(TestOutcome(Path(rec["file"]).stem.removeprefix("test_"), rec["name"], rec["max_score"],
+                                        rec["outcome"], rec["reason"], round(rec["duration"], 3)))
+    return report
+
+
+def run_pytest(paths, env: dict, timeout: float = GRADE_TIMEOUT_S) -> tuple[dict | None, str]:
+    """Run pytest on `paths` in a subprocess with this module as plugin: ({"tests": [...], ...} or None, output).
+
+    The jobs the tests launch write their runs to a temporary folder unless GPUCOURSE_RUNS_DIR is set.
+    """
+    with tempfile.TemporaryDirectory(prefix="gpucourse-grade-") as tmp:
+        results = Path(tmp) / "results.json"
+        # Plugin autoload off: nbval, papermill & co. cost seconds to import and graders need none of them.
+        full_env = {**os.environ, **env, RESULTS_ENV: str(results), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+        full_env.setdefault("GPUCOURSE_RUNS_DIR", str(Path(tmp) / "runs"))
+        # Each job has its own time limits; pytest-timeout only backs them up (the first test starts all jobs).
+        plugins = ["-p", "gpucourse.grading"] + (["-p", "pytest_timeout", "-o", "timeout=600"]
+                                                 if find_spec("pytest_timeout") else [])
+        cmd = [sys.executable, "-m", "pytest", *map(str, paths), *plugins, "-q", "-p", "no:cacheprovider",
+               "--no-header", "-rN"]
+        output = _run_pytest(cmd, full_env, timeout)
+        return _read_json(results), output
+
+
+def _run_pytest(cmd: list[str], env: dict, timeout: float) -> str:
+    """Run pytest in a session of its own; past `timeout`, kill it and everything in its session."""
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cmd, cwd=exercises.course_root(), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if proc.poll() is None:  # timed out, or we were interrupted
+                # The jobs' agents live in sessions of their own and stop when pytest, their parent, dies.
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out.seek(0)
+        return out.read().decode(errors="replace")
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --- the pytest plugin (active in the grading subprocess only: `-p gpucourse.grading`) ----------------
+_outcomes: dict[str, dict] = {}
+_collect_errors: list[str] = []
+
+
+def _reason(report) -> str:
+    """One line saying why a test did not pass."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # a skip: (path, line, reason)
+        text = longrepr[2]
+    else:
+        crash = getattr(longrepr, "reprcrash", None)
+        text = crash.message if crash is not None else str(longrepr or "")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = lines[0] if lines else "failed"
+    for prefix in ("Failed: ", "AssertionError: ", "Skipped: "):
+        line = line.removeprefix(prefix)
+    return line[:REASON_CHARS]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        marker = item.get_closest_marker("points")
+        _outcomes[item.nodeid] = {"file": str(item.path), "name": item.name, "outcome": "not run", "reason": "",
+                                  "max_score": float(marker.args[0]) if marker else 1.0, "duration": 0.0}
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _collect_errors.append(f"the grader {report.nodeid or 'session'} could not be collected: {_reason(report)}")
+
+
+def pytest_runtest_logreport(report):
+    rec = _outcomes.get(report.nodeid)
+    if rec is None:
+        return
+    rec["duration"] += report.duration
+    if rec["outcome"] in ("failed", "error", "skipped"):
+        return  # the first thing that went wrong is the reason
+    if report.failed:
+        rec.update(outcome="failed" if report.when == "call" else "error", reason=_reason(report))
+    elif report.skipped:
+        rec.update(outcome="skipped", reason=_reason(report))
+    elif report.when == "call":
+        rec["outcome"] = "passed"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        Path(path).write_text(json.dumps({"tests": list(_outcomes.values()), "collect_errors": _collect_errors,
+                                          "exitstatus": int(exitstatus)}, indent=1))
+
+
+# --- a class of learners -------------------------------------------------------------------------
+CSV_FIELDS = ["learner", "exercise", "tests_passed", "tests_total", "score", "max_score"]
+
+
+def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *, progress=print) -> Path:
+    """Grade every learner folder of `submissions`; write one CSV row per learner and exercise.
+
+    Each learner's full report (every test and reason) goes to `<csv stem>-details/<learner>.json` next
+    to the CSV. A learner whose file is missing or broken is graded zero, with the reason. Returns the
+    details folder.
+    """
+    names = exercises.resolve(exercise)
+    submissions, csv_path = Path(submissions).expanduser(), Path(csv_path).expanduser()
+    if not submissions.is_dir():
+        raise ExerciseError(f"submissions folder {submissions} does not exist: give one folder per learner in it")
+    learners = sorted(p for p in submissions.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+    if not learners:
+        raise ExerciseError(f"{submissions} has no learner folders: put each learner's files in a folder of its own")
+    _graders_for(names)
+    details = csv_path.with_name(f"{csv_path.stem}-details")
+    details.mkdir(parents=True, exist_ok=True)
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for learner in learners:
+            files = {n: exercises.target_file(learner, n) for n in names}
+            report = run_graders(exercise, names, learner, files)
+            (details / f"{learner.name}.json").write_text(json.dumps(report.to_dict(), indent=1))
+            for name in names:
+                tests = [t for t in report.tests if t.exercise == name]
+                writer.writerow({"learner": learner.name, "exercise": name,
+                                 "tests_passed": sum(t.passed for t in tests), "tests_total": len(tests),
+                                 "score": _num(sum(t.score for t in tests)),
+                                 "max_score": _num(sum(t.max_score for t in tests))})
+            f.flush()
+            if progress:
+                progress(f"{learner.name}: {_num(report.score)}/{_num(report.max_score)}")
+    return details
+
+
+# --- command line ------------------------------------------------------------------------------------
+def _cmd_grade(args) -> int:
+    try:
+        if args.class_dir:
+            if not args.csv:
+                raise ExerciseError("--class needs --csv FILE: where to write the class's grades")
+            details = grade_class(args.exercise, args.class_dir, args.csv)
+            print(f"grades: {args.csv}; each learner's details: {details}/")
+            return 0
+        names = exercises.resolve(args.exercise)
+        files = exercises.check_target(args.target, names)
+        print(f"grading {', '.join(names)} on {args.target} (real multi-rank jobs: about a minute)...", flush=True)
+        report = run_graders(args.exercise, names, args.target, files)
+    except ExerciseError as err:
+        print(f"gpucourse grade: {err}", file=sys.stderr)
+        return 2
+    print(report.table())
+    for path, data in ((args.json, report.to_dict()), (args.gradescope, report.to_gradescope())):
+        if path:
+            Path(path).write_text(json.dumps(data, indent=1))
+    return 0 if report.tests and not report.problems else 1
+
+
+def _cmd_make_exercises(args) -> int:
+    try:
+        stale = exercises.generate_exercises(check=args.check)
+    except ExerciseError as err:
+        print(f"gpucourse make-exercises: {err}", file=sys.stderr)
+        return 2
+    root = exercises.course_root()
+    for path in stale:
+        shown = path.relative_to(root) if path.is_relative_to(root) else path
+        print(f"{'stale' if args.check else 'wrote'}: {shown}")
+    if args.check and stale:
+        print("exercises/ is out of date with solutions/: run `gpucourse make-exercises`", file=sys.stderr)
+        return 1
+    if not stale:
+        print("exercises/ is up to date")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    """Register `grade` and `make-exercises` on an argparse subparsers object (func(args) -> exit code)."""
+    g = subparsers.add_parser("grade", help="grade an exercise: its graders on your code (or a class's)",
+                              description="Exit code: 0 when grading ran (whatever the score), 1 when the "
+                                          "graders could not run, 2 for bad input.")
+    g.add_argument("exercise", help="ex01 (every exercise of chapter 01) or a full name like ex01_ring_allreduce")
+    g.add_argument("--target", default="exercises",
+                   help="what to grade: 'exercises' (default), 'solutions', a folder holding exNN_<name>.py, or a file")
+    g.add_argument("--json", metavar="FILE", help="also write every test's outcome as JSON")
+    g.add_argument("--gradescope", metavar="FILE", help="also write Gradescope's results.json")
+    g.add_argument("--class", dest="class_dir", metavar="SUBMISSIONS_DIR",
+                   help="grade one folder per learner in SUBMISSIONS_DIR (with --csv)")
+    g.add_argument("--csv", metavar="FILE", help="with --class: one row per learner and exercise")
+    g.set_defaults(func=_cmd_grade)
+    m = subparsers.add_parser("make-exercises", help="regenerate exercises/ from solutions/")
+    m.add_argument("--check", action="store_true", help="change nothing; exit 1 if exercises/ is out of date")
+    m.set_defaults(func=_cmd_make_exercises)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gpucourse.grading grade ex01 ...`: the same subcommands as `gpucourse`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m gpucourse.grading")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

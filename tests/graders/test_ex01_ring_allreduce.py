@@ -1,0 +1,222 @@
+"""Grader of ex01: ring all-reduce from point-to-point messages (run it with `gpucourse grade ex01`).
+
+One real job per world size (1, 2, 3, 4 ranks, through gpucourse.launch) runs every case against
+the submission and PyTorch's own dist.all_reduce (ex01_job.py); the tests below read its records.
+Every test also requires point-to-point only: a collective anywhere scores zero.
+"""
+import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from gpucourse import costs
+from gpucourse.launcher import launch
+
+pytestmark = pytest.mark.grader
+
+JOB = Path(__file__).with_name("ex01_job.py")
+WORLD_SIZES = (1, 2, 3, 4)
+BANDWIDTH_WORLD = 4
+MIN_BUSBW_RATIO = 0.25  # of gloo's, in the same job; generous: two shared cores make timings noisy
+CASE_LIMIT_S = 15
+JOB_TIMEOUT_S = 150
+
+
+class Job:
+    """The records one grading job left, by case and rank, and why it stopped if it did not finish."""
+
+    def __init__(self, result, world: int):
+        self.result, self.world = result, world
+        self.records: dict[str, dict[int, dict]] = {}
+        for rank, records in result.metrics.items():
+            for rec in records:
+                if "case" in rec:
+                    self.records.setdefault(rec["case"], {})[rank] = rec
+        plans = self.records.get("plan", {})
+        self.plan: dict[str, str] = next(iter(plans.values()))["cases"] if plans else {}
+
+    def why_stopped(self) -> str:
+        for rec in self.records.get("import", {}).values():
+            return f"the submission could not be loaded: {rec['error']}"
+        started = [case for case in self.plan if case in self.records]
+        if started:
+            return f"the job stopped at case {started[-1]}"
+        return self.result.error.summary if self.result.error else f"the job ended early ({self.result.status})"
+
+    def cases(self, group: str | None = None) -> list[str]:
+        """The cases this job planned (of one group, or all), or fail with why the job never planned any."""
+        if not self.plan:
+            pytest.fail(f"{self.world} rank(s): {self.why_stopped()}", pytrace=False)
+        return [case for case, g in self.plan.items() if group in (None, g)]
+
+    def ranks(self, case: str) -> list[dict]:
+        """Every rank's record of `case`. When some ranks have one and others not, those ended during it."""
+        got = self.records.get(case, {})
+        if not got:
+            return [{"case": case, "rank": 0, "error": f"not run: {self.why_stopped()}"}]
+        return [got.get(r) or self._silent(case, r) for r in range(self.world)]
+
+    def _silent(self, case: str, rank: int) -> dict:
+        """A rank that left no record of a case others reached: it ended by itself, or was stopped."""
+        code = self.result.returncodes.get(rank)
+        if code in (-9, -15):  # SIGKILL/SIGTERM: torchrun shutting the job down after another rank failed
+            return {"case": case, "rank": rank, "peer_lost": True, "error": "stopped when another rank failed"}
+        how = f"exit code {code}" if code is not None else "os._exit? a crash?"
+        return {"case": case, "rank": rank, "ended": True, "error": f"the process ended during this case ({how})"}
+
+
+@pytest.fixture(scope="module")
+def jobs(submission) -> dict[int, Job]:
+    """{world size: Job}, launched once for the module. The 1-3 rank jobs run side by side (their start-up
+    waits overlap on two cores); the 4-rank job runs alone afterwards, because it times bandwidth."""
+
+    def run(world: int) -> Job:
+        args = [str(submission), "--case-limit", str(CASE_LIMIT_S)]
+        args += ["--bandwidth"] if world == BANDWIDTH_WORLD else []
+        result = launch(JOB, nproc=world, args=args, name=f"grade-ex01-w{world}", timeout=JOB_TIMEOUT_S,
+                        stall_timeout=6 * CASE_LIMIT_S, check=False, live=False)
+        return Job(result, world)
+
+    side_by_side = [w for w in WORLD_SIZES if w != BANDWIDTH_WORLD]
+    with ThreadPoolExecutor(len(side_by_side)) as pool:
+        out = dict(zip(side_by_side, pool.map(run, side_by_side)))
+    out[BANDWIDTH_WORLD] = run(BANDWIDTH_WORLD)
+    return out
+
+
+# --- what makes one rank's record of one case wrong (None when it is right) ------------------------
+def p2p_problem(rec, world) -> str | None:
+    if rec.get("error"):
+        return rec["error"]
+    if rec.get("collectives"):
+        return f"called {', '.join(rec['collectives'])}: only send/recv/isend/irecv/batch_isend_irecv are allowed"
+    return None
+
+
+def value_problem(rec, world) -> str | None:
+    return p2p_problem(rec, world) or (None if rec.get("matches") else rec.get("detail") or "wrong result")
+
+
+def in_place_problem(rec, world) -> str | None:
+    problem = p2p_problem(rec, world)
+    if problem or rec.get("in_place"):
+        return problem
+    if not rec.get("same_storage"):
+        return "the caller's tensor now points to other memory: write the result into its own storage"
+    if not rec.get("returned_self"):
+        return "returned a different tensor object: return the tensor you were given"
+    return "the caller's tensor does not hold the sum afterwards (did you reduce a copy?)"
+
+
+def traffic_problem(rec, world) -> str | None:
+    problem = p2p_problem(rec, world)
+    if problem:
+        return problem
+    # A ring sends 2(N-1) chunks of at most ceil(n/N) elements; 1 KiB of slack for small headers.
+    limit = 2 * (world - 1) * math.ceil(rec["numel"] / world) * rec["elem"] + 1024
+    if rec["sent_bytes"] > limit:
+        return (f"sent {rec['sent_bytes']} bytes for a {rec['nbytes']}-byte tensor on {world} ranks; a ring "
+                f"sends 2(N-1)/N of it, at most {limit} (gathering everything on one rank sends (N-1)x)")
+    return None
+
+
+def telling(rec) -> int:
+    """How much a failing rank's record says about the cause (lower: more). A rank that ended mid-case
+    beats one that raised or got a wrong sum, then one that waited and timed out, then one whose peer died."""
+    return 3 if rec.get("peer_lost") else 2 if rec.get("timed_out") else 0 if rec.get("ended") else 1
+
+
+def most_telling(records, problem, world) -> tuple[int, str] | None:
+    """(rank, reason) of the failing rank whose record says most about the cause, or None if none fails."""
+    found = [(telling(rec), rec.get("rank", i), why) for i, rec in enumerate(records) if (why := problem(rec, world))]
+    return min(found)[1:] if found else None
+
+
+def check(jobs, cases_of, problem, *, only_cases_that_ran=False) -> None:
+    """Fail with the first failing case (one line, its most telling rank), counting the others.
+
+    only_cases_that_ran: judge a property (in place, traffic, ...) on the cases that did not raise; the
+    cases that did are already lost in the correctness tests. A job in which no case ran still fails.
+    """
+    failures = []
+    for job in jobs:
+        ran, errors = 0, []
+        for case in cases_of(job):
+            records = job.ranks(case)
+            crashed = only_cases_that_ran and most_telling(records, lambda rec, _: rec.get("error"), job.world)
+            if crashed:
+                errors.append(f"{job.world} rank(s), case {case}, rank {crashed[0]}: {crashed[1]}")
+                continue
+            ran += 1
+            failed = most_telling(records, problem, job.world)
+            if failed:
+                failures.append(f"{job.world} rank(s), case {case}, rank {failed[0]}: {failed[1]}")
+        if errors and not ran:
+            failures.append(f"no case ran to the end; {errors[0]}")
+    if failures:
+        more = f" (and {len(failures) - 1} more failing case(s))" if len(failures) > 1 else ""
+        pytest.fail(failures[0] + more, pytrace=False)
+
+
+# --- the tests ----------------------------------------------------------------------------------
+@pytest.mark.points(2)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_matches_all_reduce(jobs, world):
+    """Float32 tensors whose length divides evenly, and random values, equal dist.all_reduce's sum."""
+    check([jobs[world]], lambda j: j.cases("basic"), value_problem)
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_awkward_lengths(jobs, world):
+    """Lengths 0, 1, N-1, N+1, 2N+1 and 1000003: chunks of unequal (or zero) size."""
+    check([jobs[world]], lambda j: j.cases("awkward"), value_problem)
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_dtype(jobs, dtype):
+    """Half, bfloat16, single and double precision: the sum comes back in the same dtype."""
+    check(jobs.values(), lambda j: [c for c in j.cases("dtype") if c == f"dtype-{dtype}"], value_problem)
+
+
+@pytest.mark.points(2)
+def test_shapes(jobs):
+    """3-d, 4-d, 0-d (scalar) and empty 2-d tensors keep their shape and get the sum."""
+    check(jobs.values(), lambda j: j.cases("shape"), value_problem)
+
+
+@pytest.mark.points(2)
+def test_in_place(jobs):
+    """The caller's tensor object, at its own memory, holds the sum, and is what is returned."""
+    check(jobs.values(), lambda j: j.cases(), in_place_problem, only_cases_that_ran=True)
+
+
+@pytest.mark.points(2)
+def test_only_point_to_point(jobs):
+    """No collective anywhere in the submission (the job records every call while it runs)."""
+    check(jobs.values(), lambda j: j.cases(), p2p_problem, only_cases_that_ran=True)
+
+
+@pytest.mark.points(2)
+def test_traffic_is_bandwidth_optimal(jobs):
+    """Each rank sends at most 2(N-1)/N of the tensor's bytes (plus rounding), counted at the process group."""
+    check([jobs[w] for w in WORLD_SIZES if w > 1], lambda j: j.cases("basic") + j.cases("awkward"), traffic_problem,
+          only_cases_that_ran=True)
+
+
+@pytest.mark.points(2)
+def test_bus_bandwidth_vs_gloo(jobs):
+    """At 4 MiB on 4 ranks, the ring reaches at least a quarter of gloo's own all_reduce bus bandwidth."""
+    j = jobs[BANDWIDTH_WORLD]
+    check([j], lambda _: ["bandwidth"], p2p_problem)
+    recs = j.ranks("bandwidth")
+    # Per repeat the slowest rank sets the time; the best repeat is the least disturbed by the noisy machine.
+    ours = min(max(times) for times in zip(*(r["ours_s"] for r in recs)))
+    gloo = min(max(times) for times in zip(*(r["gloo_s"] for r in recs)))
+    nbytes, world = recs[0]["nbytes"], BANDWIDTH_WORLD
+    ours_bw, gloo_bw = costs.busbw("all_reduce", nbytes, ours, world), costs.busbw("all_reduce", nbytes, gloo, world)
+    assert ours_bw >= MIN_BUSBW_RATIO * gloo_bw, (
+        f"busbw {ours_bw / 1e9:.3f} GB/s is {ours_bw / gloo_bw:.2f}x gloo's {gloo_bw / 1e9:.3f} GB/s at "
+        f"{nbytes >> 20} MiB on {world} ranks; needs >= {MIN_BUSBW_RATIO}x (whole-chunk tensor ops, no Python loops)")

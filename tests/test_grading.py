@@ -1,0 +1,337 @@
+"""The grading system: exercises/ generated from solutions/, exercise ids, bad input, report formats, and
+real grading runs (solutions get full marks, the untouched exercises zero, a class gets a CSV)."""
+import ast
+import csv
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from gpucourse import exercises, grading
+from gpucourse.exercises import ExerciseError, generate_exercises, render_exercise, resolve
+
+SOLUTION = exercises.solutions_dir() / "ex01_ring_allreduce.py"
+EXERCISE = exercises.exercises_dir() / "ex01_ring_allreduce.py"
+
+
+def cli(*args, timeout=600):
+    """`gpucourse ARGS...` (cli.py wires grading.add_cli)."""
+    return subprocess.run([sys.executable, "-m", "gpucourse.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=exercises.course_root())
+
+
+# --- exercises/ from solutions/ -------------------------------------------------------------------
+SOURCE = textwrap.dedent('''\
+    """Task: add things. Rules: no cheating."""
+
+
+    def add(a, b):
+        """Return a + b."""
+        ### BEGIN SOLUTION
+        ### HINT: use the + operator
+        return a + b
+        ### END SOLUTION
+
+
+    class Box:
+        def size(self):
+            if True:
+                ### BEGIN SOLUTION
+                return 3
+                ### END SOLUTION
+            return 0
+    ''')
+
+
+def test_blocks_become_stubs_at_their_indentation_with_their_hint():
+    out = render_exercise(SOURCE)
+    lines = out.splitlines()
+    assert '    # YOUR CODE HERE' in lines and '    raise NotImplementedError("use the + operator")' in lines
+    assert '            # YOUR CODE HERE' in lines
+    assert f'            raise NotImplementedError("{exercises.DEFAULT_HINT}")' in lines
+    assert "return a + b" not in out and "return 3" not in out and "SOLUTION" not in out and "HINT" not in out
+    assert '"""Task: add things. Rules: no cheating."""' in out and '"""Return a + b."""' in out
+    assert "        return 0" in lines  # code after a block is kept
+    namespace = {}
+    exec(compile(out, "<exercise>", "exec"), namespace)
+    with pytest.raises(NotImplementedError, match=r"^use the \+ operator$"):
+        namespace["add"](1, 2)
+
+
+def test_hint_quotes_are_escaped():
+    src = 'def f():\n    ### BEGIN SOLUTION\n    ### HINT: say "hi" \\ bye\n    pass\n    ### END SOLUTION\n'
+    namespace = {}
+    exec(render_exercise(src), namespace)
+    with pytest.raises(NotImplementedError) as err:
+        namespace["f"]()
+    assert str(err.value) == 'say "hi" \\ bye'
+
+
+@pytest.mark.parametrize("src, where", [
+    ("def f():\n    ### BEGIN SOLUTION\n    pass\n", "x.py:2: BEGIN SOLUTION is never closed"),
+    ("def f():\n    ### END SOLUTION\n", "x.py:2: END SOLUTION without a BEGIN"),
+    ("def f():\n    ### BEGIN SOLUTION\n    ### BEGIN SOLUTION\n",
+     "x.py:3: BEGIN SOLUTION inside the block opened at line 2"),
+])
+def test_broken_markers_name_file_and_line(src, where):
+    with pytest.raises(ExerciseError, match=where):
+        render_exercise(src, "x.py")
+
+
+def test_generate_writes_then_detects_stale_and_orphans(tmp_path):
+    sol, ex = tmp_path / "solutions", tmp_path / "exercises"
+    sol.mkdir()
+    (sol / "ex07_add.py").write_text(SOURCE)
+    (sol / "helper.py").write_text("x = 1\n")  # not an exercise: ignored
+    assert generate_exercises(check=True, solutions=sol, exercises=ex) == [ex / "ex07_add.py"]
+    assert not ex.exists()  # check changes nothing
+    assert generate_exercises(solutions=sol, exercises=ex) == [ex / "ex07_add.py"]
+    assert sorted(p.name for p in ex.iterdir()) == ["ex07_add.py"]
+    assert generate_exercises(check=True, solutions=sol, exercises=ex) == []
+    (sol / "ex07_add.py").write_text(SOURCE.replace("a + b", "b + a"))
+    assert generate_exercises(check=True, solutions=sol, exercises=ex) == [ex / "ex07_add.py"]
+    generate_exercises(solutions=sol, exercises=ex)
+    (ex / "ex08_mine.py").write_text("# a learner's own file: not generated, so never deleted\n")
+    (sol / "ex07_add.py").rename(sol / "ex07_plus.py")
+    stale = generate_exercises(solutions=sol, exercises=ex)
+    assert set(stale) == {ex / "ex07_plus.py", ex / "ex07_add.py"}
+    assert sorted(p.name for p in ex.iterdir()) == ["ex07_plus.py", "ex08_mine.py"]
+
+
+def test_exercises_folder_is_up_to_date_with_solutions():
+    stale = generate_exercises(check=True)
+    assert stale == [], f"stale: {stale}; run `gpucourse make-exercises` and commit exercises/"
+
+
+def test_ex01_exercise_keeps_the_task_and_raises_the_hint():
+    sol, ex = ast.parse(SOLUTION.read_text()), ast.parse(EXERCISE.read_text())
+    assert ast.get_docstring(ex) == ast.get_docstring(sol) and "Rules" in ast.get_docstring(ex)
+    fn = {n.name: n for n in ex.body if isinstance(n, ast.FunctionDef)}["ring_all_reduce"]
+    assert "in place" in ast.get_docstring(fn)
+    assert isinstance(fn.body[-1], ast.Raise) and "reduce-scatter" in ast.unparse(fn.body[-1])
+
+
+def test_make_exercises_check_cli_lists_what_is_stale():
+    stale = generate_exercises(check=True)  # others may be mid-way through a chapter: compare, don't assume
+    done = cli("make-exercises", "--check")
+    assert done.returncode == (1 if stale else 0), done.stderr
+    assert all(f"stale: exercises/{p.name}" in done.stdout for p in stale)
+    assert ("up to date" in done.stdout) == (not stale)
+
+
+# --- exercise ids and targets ---------------------------------------------------------------------
+@pytest.mark.parametrize("given", ["ex01", "EX01", "ex1", "ex01_ring_allreduce", "ex01_ring_allreduce.py"])
+def test_ids_resolve_to_the_chapter_exercises(given):
+    assert resolve(given) == ["ex01_ring_allreduce"]
+
+
+@pytest.mark.parametrize("given", ["ex99", "ring", "ex01_ring", ""])
+def test_unknown_id_names_the_known_ones(given):
+    with pytest.raises(ExerciseError, match="unknown exercise .*known exercises: .*ex01_ring_allreduce"):
+        resolve(given)
+
+
+def test_required_names_come_from_the_solution():
+    assert exercises.required_names("ex01_ring_allreduce") == ["ring_all_reduce"]
+
+
+def test_target_checks(tmp_path):
+    assert exercises.check_target("solutions", ["ex01_ring_allreduce"]) == {"ex01_ring_allreduce": SOLUTION}
+    with pytest.raises(ExerciseError, match="does not exist"):
+        exercises.check_target(tmp_path / "nowhere", ["ex01_ring_allreduce"])
+    with pytest.raises(ExerciseError, match="ex01_ring_allreduce.py not found"):
+        exercises.check_target(tmp_path, ["ex01_ring_allreduce"])
+    wrong = tmp_path / "ex01_ring_allreduce.py"
+    wrong.write_text("def ring_allreduce(t):\n    return t\n")
+    with pytest.raises(ExerciseError, match="does not define ring_all_reduce"):
+        exercises.check_target(tmp_path, ["ex01_ring_allreduce"])
+    wrong.write_text("def ring_all_reduce(t)\n")  # a syntax error is graded (zero), not refused
+    assert exercises.check_target(wrong, ["ex01_ring_allreduce"]) == {"ex01_ring_allreduce": wrong}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["grade", "ex99"], "unknown exercise 'ex99'"),
+    (["grade", "ex01", "--target", "/no/such/dir"], "target /no/such/dir does not exist"),
+    (["grade", "ex01", "--class", "/no/such/dir"], "--class needs --csv"),
+    (["grade", "ex01", "--class", "/no/such/dir", "--csv", "/tmp/x.csv"],
+     "submissions folder /no/such/dir does not exist"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    done = cli(*args)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+# --- the pytest plugin and the report formats ------------------------------------------------------
+def test_plugin_scores_points_and_keeps_one_line_reasons(tmp_path):
+    (tmp_path / "conftest.py").write_text("def pytest_configure(config):\n"
+                                          "    config.addinivalue_line('markers', 'points(n): points')\n")
+    (tmp_path / "test_demo.py").write_text(textwrap.dedent('''\
+        import pytest
+
+        @pytest.fixture
+        def broken():
+            raise RuntimeError("fixture broke")
+
+        @pytest.mark.points(3)
+        def test_ok():
+            pass
+
+        @pytest.mark.points(2)
+        def test_assert():
+            assert 1 == 2, "one is not two\\nsecond line"
+
+        def test_fail():
+            pytest.fail("short reason", pytrace=False)
+
+        def test_error(broken):
+            pass
+
+        def test_skip():
+            pytest.skip("not today")
+        '''))
+    data, output = grading.run_pytest([tmp_path / "test_demo.py"], {}, timeout=120)
+    assert data is not None, output
+    got = {t["name"]: (t["outcome"], t["max_score"], t["reason"]) for t in data["tests"]}
+    assert got == {"test_ok": ("passed", 3.0, ""), "test_assert": ("failed", 2.0, "one is not two"),
+                   "test_fail": ("failed", 1.0, "short reason"),
+                   "test_error": ("error", 1.0, "RuntimeError: fixture broke"),
+                   "test_skip": ("skipped", 1.0, "not today")}
+
+
+def make_report():
+    report = grading.GradeReport("ex01", "solutions", {"ex01_ring_allreduce": "x.py"}, duration=12.5)
+    report.tests = [grading.TestOutcome("ex01_ring_allreduce", "test_a", 2, "passed"),
+                    grading.TestOutcome("ex01_ring_allreduce", "test_b[3]", 1, "failed", "wrong <sum>")]
+    return report
+
+
+def test_gradescope_format():
+    out = json.loads(json.dumps(make_report().to_gradescope()))
+    assert out["score"] == 2 and out["max_score"] == 3 and out["execution_time"] == 12.5
+    assert out["tests"] == [
+        {"name": "ex01_ring_allreduce: test_a", "score": 2, "max_score": 2, "status": "passed", "output": ""},
+        {"name": "ex01_ring_allreduce: test_b[3]", "score": 0, "max_score": 1, "status": "failed",
+         "output": "wrong <sum>"}]
+
+
+def test_table_and_html_show_points_and_reasons():
+    report = make_report()
+    table = report.table()
+    assert "test_b[3]" in table and "0/1" in table and "wrong <sum>" in table and "2/3" in table
+    html = report._repr_html_()
+    assert "<table>" in html and "wrong &lt;sum&gt;" in html and "2 / 3 points" in html
+
+
+def test_a_syntax_error_is_graded_zero_with_the_error(tmp_path):
+    bad = tmp_path / "ex01_ring_allreduce.py"
+    bad.write_text("def ring_all_reduce(tensor)\n    return tensor\n")
+    report = grading.grade("ex01", bad)
+    assert report.tests and report.score == 0 and report.max_score > 0
+    assert all("syntax error at line 1" in t.reason for t in report.tests)
+
+
+# --- real grading runs ----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_solutions_get_full_marks_and_gradescope_file(tmp_path):
+    gs, js = tmp_path / "results.json", tmp_path / "grade.json"
+    done = cli("grade", "ex01", "--target", "solutions", "--gradescope", str(gs), "--json", str(js))
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(gs.read_text())
+    assert results["max_score"] > 0 and results["score"] == results["max_score"], done.stdout
+    assert len(results["tests"]) >= 10 and all(t["score"] == t["max_score"] for t in results["tests"])
+    assert json.loads(js.read_text())["passed"] == len(results["tests"])
+    assert "test_bus_bandwidth_vs_gloo" in done.stdout
+
+
+@pytest.mark.slow
+def test_untouched_exercises_get_zero_on_every_test():
+    report = grading.grade("ex01", "exercises")
+    assert report.max_score > 0 and report.tests and not report.problems
+    assert [t.name for t in report.tests if t.score] == []
+    hint = "NotImplementedError: split tensor.view(-1)"
+    assert sum(hint in t.reason for t in report.tests) >= len(report.tests) - 1, report.table()
+
+
+@pytest.mark.slow
+def test_class_grading_writes_csv_and_details(tmp_path):
+    subs = tmp_path / "submissions"
+    for learner, source in (("alice", SOLUTION), ("bob", EXERCISE)):
+        (subs / learner).mkdir(parents=True)
+        shutil.copy(source, subs / learner / "ex01_ring_allreduce.py")
+    out = tmp_path / "grades.csv"
+    done = cli("grade", "ex01", "--class", str(subs), "--csv", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r["learner"]: r for r in csv.DictReader(out.open())}
+    assert set(rows) == {"alice", "bob"} and all(r["exercise"] == "ex01_ring_allreduce" for r in rows.values())
+    alice, bob = rows["alice"], rows["bob"]
+    assert alice["score"] == alice["max_score"] and alice["tests_passed"] == alice["tests_total"]
+    assert bob["score"] == "0" and bob["tests_passed"] == "0" and bob["max_score"] == alice["max_score"]
+    details = json.loads((tmp_path / "grades-details" / "bob.json").read_text())
+    assert all("NotImplementedError" in t["reason"] or "not run" in t["reason"] for t in details["tests"])
+
+
+MISBEHAVING = '''
+import os
+import torch.distributed as dist
+
+def ring_all_reduce(tensor):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        while True:                      # floods its output and never returns
+            print("flood " * 50)
+    if world == 2:
+        dist.recv(tensor.clone(), 1 - rank)   # both ranks wait for the other: deadlock
+    if world == 3 and rank == 1:
+        os._exit(0)                      # leaves in the middle of the job
+    if world == 4:
+        raise ValueError("boom")
+    return tensor
+'''
+
+
+def job_processes(runs_dir) -> list:
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("GPUCOURSE_RUN_DIR", "").startswith(str(runs_dir)):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_misbehaving_code_is_graded_in_bounded_time_and_leaves_nothing(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(runs))
+    (tmp_path / "ex01_ring_allreduce.py").write_text(MISBEHAVING)
+    start = time.monotonic()
+    report = grading.grade("ex01", tmp_path)
+    assert time.monotonic() - start < 150
+    reasons = {t.name: t.reason for t in report.tests}
+    assert report.score == 0 and report.tests, report.table()
+    assert "did not finish within" in reasons["test_matches_all_reduce[1]"]
+    assert "did not finish within" in reasons["test_matches_all_reduce[2]"]
+    assert "ended during this case" in reasons["test_matches_all_reduce[3]"]
+    assert "ValueError: boom" in reasons["test_matches_all_reduce[4]"]
+    flood_log = next(runs.glob("grade-ex01-w1-*")) / "logs" / "attempt0" / "rank0.stdout"
+    assert flood_log.stat().st_size < 50_000  # the print loop was capped
+    assert job_processes(runs) == []
+
+
+OTHER_GRADED = [name for name in exercises.grader_files() if name != "ex01_ring_allreduce"]  # ex01: tests above
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OTHER_GRADED)
+def test_every_grader_gives_solutions_full_marks_and_untouched_exercises_zero(name):
+    solved = grading.grade(name, "solutions")
+    assert solved.max_score > 0 and solved.score == solved.max_score, solved.table()
+    untouched = grading.grade(name, "exercises")
+    assert untouched.tests and [t.name for t in untouched.tests if t.score] == [], untouched.table()

@@ -34,15 +34,17 @@ class Progress:
 
     @property
     def done(self) -> int | None:
+        """Steps completed by every rank (a rank that has reported nothing has completed none)."""
         if not self.step:
             return None
-        slowest = min(self.step.values()) if len(self.step) == self.world_size else 0
-        return slowest + 1
+        if len(self.step) < self.world_size:
+            return 0
+        return min(self.step.values()) + 1
 
     def text(self) -> str:
         if self.done is None:
             return ""
-        return f"step {self.done}/{self.total}" if self.total else f"step {self.done}"
+        return f"{self.done}/{self.total} steps" if self.total else f"{self.done} steps done"
 
 
 class TextView:
@@ -134,15 +136,13 @@ class WidgetView:
 
     def finish(self, result, interrupted: bool = False) -> None:
         self._flush("interrupted" if interrupted else result.status)
-        if result.ok:
-            self.bar.bar_style = "success"
-            if not self.progress.total:
-                self.bar.max, self.bar.value = 1, 1
-        else:
-            self.bar.bar_style = "danger"
+        if not self.progress.total:  # nothing to count: a full bar, coloured by the outcome
+            self.bar.max, self.bar.value = 1, 1
+        self.bar.bar_style = "success" if result.ok else "danger"
         colour = "#2e7d32" if result.ok else "#c62828"
         state = "interrupted" if interrupted else {"ok": "finished"}.get(result.status, result.status)
-        text = result.summary().splitlines()[0]
+        dur = f"{result.duration:.1f} s" if result.duration is not None else "?"
+        text = f"{result.name} — {dur}, {result.world_size} rank(s), backend {result.manifest.get('backend', '?')}"
         self.status.value = self._status_html(text, state, colour)
         if result.error:
             # The root cause first, where the eye goes: the failing rank's traceback.

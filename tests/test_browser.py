@@ -1,0 +1,309 @@
+"""JupyterLab in headless Chromium: what a learner sees when a notebook launches a job.
+
+Each test starts its own JupyterLab on loopback, serving a temporary copy of notebooks/ (the repo is
+never touched), drives it with Playwright through Debian's chromium (no browser download), and reads
+the live launch view (gpucourse/live.py's WidgetView) from the page as rendered.
+Skipped, with the reason, only when playwright or /usr/bin/chromium is missing.
+"""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from .conftest import ROOT, run_processes
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed in this environment")
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(400)]
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+JUPYTER = ROOT / ".venv" / "bin" / "jupyter"
+CHAPTER_00 = "00_setup_and_first_launch.ipynb"
+FOREVER = Path(__file__).resolve().parent / "browser_jobs" / "forever.py"
+SCREENSHOT_COPY = Path("/tmp/browser-00.png")
+
+LAB_START_S = 60        # JupyterLab answers in ~10 s on 2 busy cores
+KERNEL_START_S = 120    # page load + kernel start: ~15 s
+RUN_ALL_S = 240         # chapter 00 with NPROCS = [1, 2]: ~40 s alone, far more beside other tests
+STOP_S = 20             # server + kernel shutdown
+
+# JS: the notebook panel open on `path`, found through the app JupyterLab exposes on window.
+PANEL = ("const panel = Array.from(window.jupyterapp.shell.widgets('main'))"
+         ".find(w => w.context && w.context.path === path);")
+KERNEL_IDLE = f"""path => {{ if (!window.jupyterapp) return false; {PANEL}
+    const kernel = panel && panel.sessionContext.session && panel.sessionContext.session.kernel;
+    return !!kernel && kernel.status === 'idle'; }}"""
+# null while cells run; then {{done}} or the first error output (run-all stops there).
+RUN_STATE = f"""path => {{ {PANEL}
+    const cells = panel.content.widgets.filter(c => c.model.type === 'code');
+    for (const c of cells)
+        for (const o of c.model.outputs.toJSON())
+            if (o.output_type === 'error') return {{error: o.ename + ': ' + o.evalue}};
+    const kernel = panel.sessionContext.session.kernel;
+    const ran = cells.every(c => c.model.executionCount !== null);
+    return kernel.status === 'idle' && ran ? {{done: true}} : null; }}"""
+
+
+@dataclass
+class Lab:
+    url: str           # http://127.0.0.1:<port>
+    token: str
+    root: Path         # the copied notebooks/ the server serves
+    scripts: Path      # its sibling scripts/, where the notebooks' %%writefile cells write
+    runs: Path         # GPUCOURSE_RUNS_DIR of the server and its kernels
+
+    def notebook_url(self, name: str) -> str:
+        return f"{self.url}/lab/tree/{name}?token={self.token}"
+
+    def run_dirs(self) -> list[Path]:
+        return sorted(p for p in self.runs.iterdir() if p.is_dir()) if self.runs.exists() else []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _quiet_settings(settings_dir: Path) -> None:
+    """User settings of a throwaway profile: no 'Would you like to get notified about Jupyter news?' toast.
+
+    `--LabApp.news_url=None` stops the fetching but not that question, which covers part of the page."""
+    path = settings_dir / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+
+
+def _wait_until_serving(proc, url: str, token: str, log: Path) -> None:
+    deadline = time.monotonic() + LAB_START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"jupyter lab exited with code {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.3)
+    pytest.fail(f"jupyter lab did not answer within {LAB_START_S} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> list[psutil.Process]:
+    """SIGTERM the server (it shuts its kernels down), then make sure none of its processes is left.
+
+    Returns the processes that had to be killed by hand: the caller fails the test on any."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    proc.terminate()
+    try:
+        proc.wait(STOP_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(family, timeout=STOP_S)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab on 127.0.0.1 serving a copy of notebooks/; stopped, kernels included, afterwards."""
+    work = tmp_path / "course"
+    shutil.copytree(ROOT / "notebooks", work / "notebooks")
+    (work / "scripts").mkdir()
+    _quiet_settings(tmp_path / "lab-settings")
+    port, token = _free_port(), os.urandom(16).hex()
+    env = {**os.environ, "GPUCOURSE_RUNS_DIR": str(tmp_path / "runs"),
+           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "lab-settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "lab-workspaces"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter-runtime")}
+    env.pop("GPUCOURSE_LIVE", None)  # the point is the widget view, whatever the caller's shell says
+    cmd = [str(JUPYTER), "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
+           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work / 'notebooks'}",
+           "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-root")
+    log = tmp_path / "jupyter-lab.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_serving(proc, url, token, log)
+        yield Lab(url, token, work / "notebooks", work / "scripts", tmp_path / "runs")
+    finally:
+        killed = _stop(proc)
+    assert not killed, f"processes outlived JupyterLab's shutdown (killed now): {[p.pid for p in killed]}"
+
+
+@pytest.fixture
+def browser(monkeypatch):
+    monkeypatch.setenv("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium)")
+    with sync_api.sync_playwright() as p:
+        try:
+            chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        except sync_api.Error as e:
+            pytest.skip(f"{CHROMIUM} could not be launched: {str(e).splitlines()[0]}")
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def open_notebook(browser, lab: Lab, name: str):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(30_000)
+    page.goto(lab.notebook_url(name))
+    page.wait_for_function(KERNEL_IDLE, arg=name, timeout=KERNEL_START_S * 1000, polling=250)
+    return page
+
+
+def run_all(page) -> None:
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
+def wait_all_ran(page, name: str) -> None:
+    state = page.wait_for_function(RUN_STATE, arg=name, timeout=RUN_ALL_S * 1000, polling=500).json_value()
+    assert "error" not in state, f"{name} raised in the browser: {state['error']}"
+
+
+def launch_view(page, run_name_prefix: str):
+    """The VBox gpucourse.launch displayed for the run whose directory name starts with run_name_prefix."""
+    status = page.locator(".widget-html-content", has_text=f" {run_name_prefix}")
+    view = page.locator(".widget-vbox").filter(has=status)
+    assert view.count() == 1, f"expected one launch view for {run_name_prefix}, found {view.count()}"
+    return view
+
+
+def scroll_to(view):
+    """Scroll the view on screen and wait until it is drawn: JupyterLab skips rendering cells off screen
+    (CSS content-visibility), and their innerText, what a learner would read, is empty until then."""
+    view.scroll_into_view_if_needed()
+    view.page.wait_for_function("el => el.innerText.trim().length > 0", arg=view.element_handle())
+    return view
+
+
+def tab_titles(view) -> list[str]:
+    return view.locator(".lm-TabBar-tabLabel").all_inner_texts()
+
+
+def shown_pane(view, title: str | None = None):
+    """The pane a learner sees: after clicking the tab `title`, if given (the others are hidden)."""
+    if title is not None:
+        view.locator(".lm-TabBar-tab", has_text=re.compile(f"^{title}$")).click()
+    return view.locator(".widget-tab-contents > .widget-output:not(.lm-mod-hidden)")
+
+
+def status_line(view) -> str:
+    return view.locator(".widget-html-content").first.inner_text()
+
+
+def bar_style(view) -> str:
+    classes = view.locator(".widget-hprogress .progress-bar").get_attribute("class")
+    return re.search(r"progress-bar-(\w+)", classes).group(1)
+
+
+def assert_nothing_running(lab: Lab) -> None:
+    for run_dir in lab.run_dirs():
+        assert run_processes(run_dir) == [], f"{run_dir.name} left processes behind"
+
+
+def test_chapter_00_shows_a_live_view_per_launch(lab, browser):
+    nb_path = lab.root / CHAPTER_00
+    nb = nbformat.read(nb_path, as_version=4)
+    params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    params.source, n = re.subn(r"^NPROCS = .*$", "NPROCS = [1, 2]", params.source, flags=re.M)
+    assert n == 1, f"{CHAPTER_00}'s parameters cell no longer sets NPROCS: update this test"
+    nbformat.write(nb, nb_path)
+
+    page = open_notebook(browser, lab, CHAPTER_00)
+    started = time.monotonic()
+    run_all(page)
+    wait_all_ran(page, CHAPTER_00)
+    print(f"chapter 00 ran in the browser in {time.monotonic() - started:.1f} s")
+
+    two = launch_view(page, "00-hello-2-")
+    scroll_to(two)
+    assert status_line(two).startswith("finished"), status_line(two)
+    assert two.locator(".widget-hprogress .widget-label").inner_text() == "steps"
+    assert bar_style(two) == "success"
+    assert tab_titles(two) == ["all ranks", "rank 0", "rank 1"]
+    everyone = shown_pane(two).inner_text()  # "all ranks" is the tab shown first
+    assert "[rank 0] rank 0/2" in everyone and "[rank 1] rank 1/2" in everyone
+    rank0 = shown_pane(two, "rank 0").inner_text()
+    assert "rank 0/2" in rank0 and "rank 1/2" not in rank0
+    rank1 = shown_pane(two, "rank 1").inner_text()  # left selected for the screenshot
+    assert "rank 1/2" in rank1 and "rank 0/2" not in rank1
+    assert "all_reduce of all ranks = 1 (expected 1)" in rank1
+    shot = lab.runs / "browser-00.png"
+    page.screenshot(path=str(shot))
+    shutil.copy(shot, SCREENSHOT_COPY)
+
+    one = scroll_to(launch_view(page, "00-hello-1-"))
+    assert tab_titles(one) == ["all ranks", "rank 0"] and bar_style(one) == "success"
+
+    # The failure demo: the view opens on the failing rank's tab, where its traceback is.
+    failed = scroll_to(launch_view(page, "00-failure-"))
+    assert status_line(failed).startswith("failed") and bar_style(failed) == "danger"
+    assert failed.locator(".lm-TabBar-tab.lm-mod-current").inner_text() == "rank 1"
+    assert "RuntimeError" in shown_pane(failed).inner_text()
+
+    # Chapter 00 draws no plot; when a chapter does, every image output must render as an <img>.
+    images = page.evaluate(f"""path => {{ {PANEL}
+        return panel.content.widgets.flatMap(c => c.model.type === 'code' ? c.model.outputs.toJSON() : [])
+                    .filter(o => o.data && o.data['image/png']).length; }}""", CHAPTER_00)
+    assert page.locator(".jp-RenderedImage img").count() == images
+    assert_nothing_running(lab)
+
+
+def test_interrupt_button_stops_the_launch(lab, browser):
+    script = lab.scripts / FOREVER.name
+    shutil.copy(FOREVER, script)
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell("import gpucourse"),
+                nbformat.v4.new_code_cell(f"gpucourse.launch({str(script)!r}, nproc=2, name='forever', timeout=90)")]
+    nbformat.write(nb, lab.root / "interrupt.ipynb")
+
+    page = open_notebook(browser, lab, "interrupt.ipynb")
+    run_all(page)
+    view = page.locator(".widget-vbox")
+    everyone = shown_pane(view)
+    # Both ranks are running and their output reached the page.
+    everyone.filter(has_text="[rank 0] rank 0 step 1").wait_for(timeout=60_000)
+    everyone.filter(has_text="[rank 1] rank 1 step 1").wait_for(timeout=10_000)
+    assert lab.run_dirs() and run_processes(lab.run_dirs()[0]), "the job is not running"
+
+    page.get_by_title("Interrupt the kernel").first.click()
+    sync_api.expect(view.locator(".widget-html-content").first).to_contain_text("interrupted", timeout=30_000)
+    # The cell ends with the KeyboardInterrupt the launcher re-raises once the job is stopped.
+    state = page.wait_for_function(RUN_STATE, arg="interrupt.ipynb", timeout=30_000, polling=250).json_value()
+    scroll_to(view)
+    page.screenshot(path=str(lab.runs / "browser-interrupt.png"))
+    shutil.copy(lab.runs / "browser-interrupt.png", "/tmp/browser-interrupt.png")
+
+    assert state.get("error", "").startswith("KeyboardInterrupt"), state
+    assert status_line(view).startswith("interrupted"), status_line(view)
+    assert bar_style(view) == "danger"
+    [run_dir] = lab.run_dirs()
+    assert json.loads((run_dir / "manifest.json").read_text())["status"] == "interrupted"
+    assert run_processes(run_dir) == [], "workers survived the interrupt"

@@ -32,6 +32,7 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi")
 MAX_NPROC = 256
 POLL_S = 0.1
 AGENT_GRACE_S = 5.0
+STARTUP_GRACE_S = 60.0  # before a rank's first word, stalls are measured with this much extra slack
 
 
 class LaunchError(RuntimeError):
@@ -242,20 +243,21 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
     job, started = _Job(agents), time.monotonic()
     from .tail import RunTailer
 
-    tailer, last_activity = RunTailer(run_dir), time.monotonic()
+    tailer, last_activity, heard = RunTailer(run_dir), time.monotonic(), False
     stop_status = stop_reason = None
     running: list[int] = []
     try:
         while not job.finished():
             job.track()
             lines, records = tailer.poll()
-            if lines or records:
-                last_activity = time.monotonic()
+            if any(ln.rank is not None for ln in lines) or records:
+                last_activity, heard = time.monotonic(), True
             view.update(lines, records, "running")
             now = time.monotonic()
             if timeout and now - started > timeout:
                 stop_status, stop_reason = "timeout", f"timed out after {timeout:g} s"
-            elif stall_timeout and now - last_activity > stall_timeout:
+            elif stall_timeout and now - last_activity > stall_timeout + (0 if heard else STARTUP_GRACE_S):
+                # Starting torch in every rank can take many seconds on a busy machine: not a stall.
                 stop_status, stop_reason = "stalled", f"stalled: no rank printed or logged for {stall_timeout:g} s"
             if stop_reason:
                 running = job.running_ranks()

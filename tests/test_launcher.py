@@ -63,10 +63,11 @@ def test_failure_without_traceback_reports_exit_code(runs_dir):
 
 def test_timeout_names_running_ranks_and_their_last_line(runs_dir):
     start = time.monotonic()
-    res = launch(WORKER, nproc=2, args=["--steps", "2", "--hang"], timeout=8, live=False, check=False)
-    assert time.monotonic() - start < 8 + 15
+    # 20 s: enough for two ranks to start and log two steps even on a loaded 2-core machine
+    res = launch(WORKER, nproc=2, args=["--steps", "2", "--hang"], timeout=20, live=False, check=False)
+    assert time.monotonic() - start < 20 + 15
     assert res.status == "timeout"
-    assert "timed out after 8 s" in res.error.summary and "[0, 1]" in res.error.summary
+    assert "timed out after 20 s" in res.error.summary and "[0, 1]" in res.error.summary
     assert "rank 1 was still running; its last line: rank 1 step 1 sum 3" in res.error.traceback
     assert_nothing_left(res)
 

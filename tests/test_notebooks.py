@@ -29,7 +29,7 @@ def test_notebook_runs_in_smoke_mode(path, tmp_path, monkeypatch):
     monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(runs))
     result = execute_notebook(path, tmp_path / "executed", smoke=True, cell_timeout=300)
     assert result.status == "ok", f"{path.name} failed in cell {result.failing_cell}: {result.error}"
-    assert result.duration < 180, f"{path.name} took {result.duration:.0f} s in smoke mode (budget 180 s)"
+    # The 3-minute budget per notebook is measured by benchmarks/course_smoke.py, not asserted here.
     for run_dir in runs.glob("*"):
         assert run_processes(run_dir) == [], f"{run_dir.name} left processes behind"
 

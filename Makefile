@@ -21,8 +21,10 @@ kernel: $(STAMP)
 	$(BIN)/python -m ipykernel install --sys-prefix --name gpucourse --display-name "Python (gpucourse)" >/dev/null
 	@echo "Jupyter kernel 'gpucourse' registered"
 
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: kernel
-	$(BIN)/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -rs $(PYTEST_ARGS)

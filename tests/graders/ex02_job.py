@@ -1,0 +1,433 @@
+"""The grading job of ex02 (DDP and BucketedDDP): every check, on 2 ranks, in one launch.
+
+    ex02_job.py SUBMISSION.py [--case-limit SECONDS]
+
+test_ex02_ddp.py launches it through gpucourse.launch. Each rank logs one record per case with
+runtime.log (the tests read them from RunResult.metrics), for example
+
+    {"case": "DDP-tied-adamw", "group": "equiv", "error": None, "max_diff": [3e-08, ...], "comm_bytes": [...]}
+
+Cases, for each of DDP and BucketedDDP:
+  module      `.module` is the wrapped module; calling the wrapper runs its forward (with a keyword)
+  rank0       rank 1's parameters and buffers are perturbed before wrapping: afterwards every rank holds rank 0's
+  equiv       N ranks on batch B reach the parameters one process reaches on the full batch N*B (mean loss),
+              step by step, with SGD and AdamW, for a model with a frozen parameter and one with tied weights
+  overlap     when every all_reduce started, against when backward reached the first layer
+  buckets     (BucketedDDP only) the bytes of every all_reduce, for a small and a large bucket_size_mb
+
+The submission runs under guard: every all_reduce it starts is recorded (when, how many bytes, whether
+asynchronous), torch's own DistributedDataParallel is replaced by a class that refuses to run, what it
+prints is capped, and a watchdog ends the rank (after logging why) when a case takes longer than
+--case-limit: a deadlock or an endless loop costs the cases it breaks, not the grading run.
+"""
+import argparse
+import contextlib
+import copy
+import functools
+import importlib.util
+import io
+import os
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._C._distributed_c10d import ProcessGroup
+
+from gpucourse import runtime
+
+IMPLS = ("DDP", "BucketedDDP")
+MODELS = ("frozen", "tied")
+OPTIMIZERS = ("sgd", "adamw")
+STEPS = 3
+LOCAL_BATCH = 4
+EQUIV_BUCKET_MB = 0.001  # ~1 KiB: the small equivalence models still get several buckets
+OVERLAP_BUCKET_MB = 0.3  # one 256x256 layer (257 KiB) per bucket
+SMALL_BUCKET_MB, LARGE_BUCKET_MB = 0.05, 100.0
+TOLERANCE = 1e-5  # float32, a few steps; the reference reaches ~1e-7
+OUTPUT_BUDGET = 10_000  # characters of the submission's own output kept per rank
+REAL_BROADCAST = dist.broadcast  # the job's own, kept before the guard wraps anything
+SUBMISSION = [""]  # its path, set by main(): tracebacks are reported at the submission's own lines
+
+
+# --- the guard: which all_reduces the submission starts, and whether it reaches for torch's DDP ----------
+class Guard:
+    def __init__(self):
+        self.active, self.depth = False, 0
+        self.calls: list[dict] = []  # {"t": perf_counter at the call, "bytes": ..., "async": ...}
+        self.ddp_used = False
+        self.output_left = OUTPUT_BUDGET
+
+    def install(self) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        for module in (dist, c10d):
+            module.all_reduce = self._recorder(module.all_reduce, async_at=3)
+            module.all_reduce_coalesced = self._recorder(module.all_reduce_coalesced, async_at=3)
+        for name in ("allreduce", "allreduce_coalesced"):  # the process group called directly: always async
+            setattr(ProcessGroup, name, self._recorder(getattr(ProcessGroup, name), async_at=None, skip_self=True))
+        guard = self
+
+        class ForbiddenDDP(nn.Module):
+            def __init__(self, *args, **kwargs):
+                guard.ddp_used = True
+                raise RuntimeError("torch.nn.parallel.DistributedDataParallel is not allowed in ex02: "
+                                   "synchronise the gradients yourself")
+
+        torch.nn.parallel.DistributedDataParallel = ForbiddenDDP
+        torch.nn.parallel.distributed.DistributedDataParallel = ForbiddenDDP
+
+    def _recorder(self, fn, async_at, skip_self=False):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if self.active and self.depth == 0:  # the outermost call only: all_reduce, not also its group call
+                given = args[1:] if skip_self else args
+                is_async = True if async_at is None else bool(
+                    given[async_at] if len(given) > async_at else kwargs.get("async_op", False))
+                self.calls.append({"t": time.perf_counter(), "bytes": _nbytes(given[0] if given else None),
+                                   "async": is_async})
+            self.depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+
+        return wrapper
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Run the submission: record its all_reduces, cap what it prints."""
+        self.calls, self.active = [], True
+        capped = _CappedOutput(self)
+        try:
+            with contextlib.redirect_stdout(capped), contextlib.redirect_stderr(capped):
+                yield self
+        finally:
+            self.active = False
+
+
+def _nbytes(tensors) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    if isinstance(tensors, (list, tuple)):
+        return sum(_nbytes(t) for t in tensors)
+    return 0
+
+
+class _CappedOutput(io.TextIOBase):
+    """Keeps the first OUTPUT_BUDGET characters the submission prints: a print loop cannot flood the logs."""
+
+    def __init__(self, guard: Guard):
+        self.guard = guard
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        left = self.guard.output_left
+        if left > 0:
+            sys.__stdout__.write(text[:left])
+            if len(text) >= left:
+                sys.__stdout__.write(f"\n[grader: output cut after {OUTPUT_BUDGET} characters]\n")
+        self.guard.output_left = left - len(text)
+        return len(text)
+
+
+class Watchdog:
+    """Ends the rank, after logging why, when the current case runs past its limit."""
+
+    def __init__(self):
+        self.case, self.group, self.deadline, self.limit = None, None, None, None
+        threading.Thread(target=self._watch, name="grader-watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def case_limit(self, case: str, group: str, limit: float):
+        self.case, self.group, self.limit, self.deadline = case, group, limit, time.monotonic() + limit
+        try:
+            yield
+        finally:
+            self.deadline = None
+
+    def _watch(self):
+        while True:
+            time.sleep(0.2)
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                runtime.log(case=self.case, group=self.group, timed_out=True,
+                            error=f"did not finish within {self.limit:g} s: a deadlock (a handle waited on that "
+                                  f"the other rank never matched), an endless loop, or far too slow")
+                sys.__stdout__.flush()
+                os._exit(3)
+
+
+def one_line(err: BaseException) -> str:
+    """`Type: message (at file:line)`, the line being the submission's last frame."""
+    text = f"{type(err).__name__}: {err}".strip().splitlines()
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == SUBMISSION[0]]
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return (text[0] if text else type(err).__name__)[:300] + where
+
+
+# --- the models ----------------------------------------------------------------------------------
+class Scaled(nn.Module):
+    """A forward with a keyword argument: the wrapper must pass it on."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x, scale=1.0):
+        return self.lin(x) * scale
+
+
+class TiedLM(nn.Module):
+    """An embedding whose weight is also the output layer's: one parameter used twice."""
+
+    def __init__(self, vocab=32, dim=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.hidden = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.hidden(self.emb(ids))))
+
+
+class WithBuffers(nn.Module):
+    """BatchNorm running statistics, a registered buffer and a frozen parameter: all are model state."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+        self.net[0].bias.requires_grad_(False)
+        self.register_buffer("offset", torch.randn(4))
+
+    def forward(self, x):
+        return self.net(x) + self.offset
+
+
+def frozen_mlp() -> nn.Module:
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    net[0].weight.requires_grad_(False)  # frozen: never updated, never communicated
+    return net
+
+
+def equiv_setup(model: str):
+    """(a fresh model, the full batch, the loss function), identical on every rank."""
+    torch.manual_seed(1)
+    gen = torch.Generator().manual_seed(2)
+    n = LOCAL_BATCH * dist.get_world_size()
+    if model == "frozen":
+        return frozen_mlp(), (torch.randn(n, 8, generator=gen), torch.randn(n, 4, generator=gen)), nn.MSELoss()
+    return TiedLM(), (torch.randint(0, 32, (n,), generator=gen), torch.randint(0, 32, (n,), generator=gen)), \
+        nn.CrossEntropyLoss()
+
+
+def make_optimizer(name: str, params):
+    return torch.optim.SGD(params, lr=0.1) if name == "sgd" else torch.optim.AdamW(params, lr=0.01)
+
+
+def wrap(impls, impl: str, net: nn.Module, bucket_mb: float):
+    return impls[impl](net) if impl == "DDP" else impls[impl](net, bucket_size_mb=bucket_mb)
+
+
+def unique_params(net: nn.Module) -> list[nn.Parameter]:
+    return list(net.parameters())  # parameters() yields a tied parameter once
+
+
+def trainable_bytes(net: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in unique_params(net) if p.requires_grad)
+
+
+def flat_state(net: nn.Module) -> torch.Tensor:
+    """Every parameter and buffer, flattened to float64 (num_batches_tracked included)."""
+    tensors = [*net.parameters(), *net.buffers()]
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
+
+
+# --- the cases -----------------------------------------------------------------------------------
+def case_module(impls, guard, impl):
+    torch.manual_seed(3)
+    net, x = Scaled(), torch.randn(2, 8)
+    with guard.watching():
+        model = wrap(impls, impl, net, LARGE_BUCKET_MB)
+        out = model(x, scale=2.0)
+    expected = net(x, scale=2.0)
+    return {"module_is_net": getattr(model, "module", None) is net, "is_module": isinstance(model, nn.Module),
+            "forward_ok": isinstance(out, torch.Tensor) and out.shape == expected.shape
+            and torch.allclose(out, expected)}
+
+
+def case_rank0(impls, guard, impl):
+    torch.manual_seed(4)
+    net = WithBuffers()
+    if dist.get_rank() != 0:  # another initialisation on the other ranks: rank 0's must win
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(1.0)
+            net.net[1].running_mean.add_(1.0)
+            net.net[1].running_var.mul_(2.0)
+            net.net[1].num_batches_tracked.fill_(7)
+            net.offset.add_(3.0)
+    rank0 = flat_state(net)
+    REAL_BROADCAST(rank0, src=0)
+    with guard.watching():
+        wrap(impls, impl, net, LARGE_BUCKET_MB)
+    names = [n for n, _ in net.named_parameters()] + [n for n, _ in net.named_buffers()]
+    tensors = [*net.parameters(), *net.buffers()]
+    wrong, offset = [], 0
+    for name, t in zip(names, tensors):
+        if not torch.equal(t.detach().reshape(-1).double(), rank0[offset:offset + t.numel()]):
+            wrong.append(name)
+        offset += t.numel()
+    return {"differs_from_rank0": wrong}
+
+
+def case_equiv(impls, guard, impl, model, optim):
+    net, (x, y), loss_fn = equiv_setup(model)
+    baseline = copy.deepcopy(net)  # deepcopy keeps the tie
+    frozen = {n: p.detach().clone() for n, p in net.named_parameters() if not p.requires_grad}
+    base_opt = make_optimizer(optim, baseline.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    with guard.watching():
+        ddp = wrap(impls, impl, net, EQUIV_BUCKET_MB)
+    opt = make_optimizer(optim, ddp.parameters())
+    max_diff, comm_bytes = [], []
+    for _ in range(STEPS):
+        base_opt.zero_grad()
+        loss_fn(baseline(x), y).backward()  # one process, the whole batch
+        base_opt.step()
+        opt.zero_grad()
+        with guard.watching():
+            loss_fn(ddp(x[mine]), y[mine]).backward()  # this rank's slice of it
+            ddp.finish_gradient_synchronization()
+        comm_bytes.append(sum(c["bytes"] for c in guard.calls))
+        opt.step()
+        with torch.no_grad():
+            max_diff.append(max((a - b).abs().max().item()
+                                for a, b in zip(net.parameters(), baseline.parameters())))
+    moved = [n for n, p in net.named_parameters() if n in frozen and not torch.equal(p, frozen[n])]
+    return {"max_diff": max_diff, "comm_bytes": comm_bytes, "trainable_bytes": trainable_bytes(net),
+            "frozen_moved": moved, "tolerance": TOLERANCE, "world": world}
+
+
+def case_overlap(impls, guard, impl):
+    torch.manual_seed(5)
+    net = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), nn.ReLU())])
+    x, y = torch.randn(32, 256), torch.randn(32, 256)
+    reached_first = []
+
+    def watch_first_layer(module, inputs, output):
+        # The gradient of the first layer's output exists just before backward computes that layer's gradients.
+        output.register_hook(lambda grad: reached_first.append(time.perf_counter()))
+
+    net[0].register_forward_hook(watch_first_layer)
+    with guard.watching():
+        ddp = wrap(impls, impl, net, OVERLAP_BUCKET_MB)
+    with guard.watching():
+        start = time.perf_counter()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        backward_end = time.perf_counter()
+        ddp.finish_gradient_synchronization()
+    calls = [{"t": c["t"] - start, "bytes": c["bytes"], "async": c["async"]} for c in guard.calls]
+    return {"calls": calls, "first_layer_t": reached_first[0] - start if reached_first else None,
+            "backward_end_t": backward_end - start, "params": len(unique_params(net))}
+
+
+def bucket_model() -> nn.Module:
+    """Parameters on both sides of SMALL_BUCKET_MB (52 KiB): 16 KiB, 64 KiB, 32 KiB, small biases, one frozen."""
+    torch.manual_seed(6)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 32), nn.ReLU(),
+                        nn.Linear(32, 8))
+    net[4].bias.requires_grad_(False)
+    return net
+
+
+def case_buckets(impls, guard, bucket_mb):
+    net = bucket_model()
+    x, y = torch.randn(4, 64), torch.randn(4, 8)
+    with guard.watching():
+        ddp = impls["BucketedDDP"](net, bucket_size_mb=bucket_mb)
+    with guard.watching():
+        nn.functional.mse_loss(ddp(x), y).backward()
+        ddp.finish_gradient_synchronization()
+    trainable = [p for p in unique_params(net) if p.requires_grad]
+    buckets = getattr(ddp, "buckets", None)
+    ids = {id(p) for p in trainable}
+    listed = [id(p) for b in buckets for p in b] if isinstance(buckets, (list, tuple)) else None
+    return {"bucket_mb": bucket_mb, "limit_bytes": bucket_mb * 2**20, "call_bytes": [c["bytes"] for c in guard.calls],
+            "param_bytes": [p.numel() * p.element_size() for p in trainable], "params": len(trainable),
+            "trainable_bytes": trainable_bytes(net),
+            "bucket_bytes": None if listed is None else [sum(p.numel() * p.element_size() for p in b)
+                                                           for b in buckets],
+            "buckets_cover_params": listed is not None and sorted(listed) == sorted(ids)}
+
+
+def plan() -> list[tuple[str, str, object]]:
+    """(case, group, function of (impls, guard)) in the order they run: cheap and basic first."""
+    cases = []
+    for impl in IMPLS:
+        cases.append((f"{impl}-module", "module", functools.partial(case_module, impl=impl)))
+    for impl in IMPLS:
+        cases.append((f"{impl}-rank0", "rank0", functools.partial(case_rank0, impl=impl)))
+    for impl in IMPLS:
+        for model in MODELS:
+            for optim in OPTIMIZERS:
+                cases.append((f"{impl}-{model}-{optim}", "equiv",
+                              functools.partial(case_equiv, impl=impl, model=model, optim=optim)))
+    for impl in IMPLS:
+        cases.append((f"{impl}-overlap", "overlap", functools.partial(case_overlap, impl=impl)))
+    cases.append(("BucketedDDP-buckets-small", "buckets", functools.partial(case_buckets, bucket_mb=SMALL_BUCKET_MB)))
+    cases.append(("BucketedDDP-buckets-large", "buckets", functools.partial(case_buckets, bucket_mb=LARGE_BUCKET_MB)))
+    return cases
+
+
+def load_submission(path: str):
+    spec = importlib.util.spec_from_file_location("submission_ex02", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("submission")
+    parser.add_argument("--case-limit", type=float, default=20.0)
+    args = parser.parse_args()
+    SUBMISSION[0] = os.path.abspath(args.submission)
+    runtime.setup(seed=0)
+    guard, watchdog = Guard(), Watchdog()
+    guard.install()
+    cases = plan()
+    runtime.log(case="plan", cases={case: group for case, group, _ in cases})
+
+    with watchdog.case_limit("import", "import", args.case_limit):
+        try:
+            with guard.watching():
+                module = load_submission(args.submission)
+            impls = {name: getattr(module, name, None) for name in IMPLS}
+            missing = [name for name, cls in impls.items() if not callable(cls)]
+            if missing:
+                raise AttributeError(f"{os.path.basename(args.submission)} defines no {' or '.join(missing)}")
+        except BaseException as err:  # noqa: BLE001 - a broken submission is graded, not a grader crash
+            runtime.log(case="import", group="import", error=one_line(err), ddp_used=guard.ddp_used)
+            runtime.teardown()
+            sys.exit(1)
+
+    for case, group, run in cases:
+        with watchdog.case_limit(case, group, args.case_limit):
+            try:
+                record = {"error": None, **run(impls, guard)}
+            except BaseException as err:  # noqa: BLE001 - SystemExit and friends are the submission's bugs too
+                record = {"error": one_line(err)}
+            runtime.log(case=case, group=group, ddp_used=guard.ddp_used, **record)
+    runtime.log(case="done")
+    runtime.teardown()
+
+
+if __name__ == "__main__":
+    main()

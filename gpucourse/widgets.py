@@ -1,0 +1,327 @@
+"""Interactive tools of chapter 03: browse the profiled runs, and model DDP scaling far beyond this machine.
+
+    from gpucourse.widgets import run_explorer, scaling_simulator, simulate
+    run_explorer()                          # pick a run with traces: timeline, breakdown, per-rank table
+    scaling_simulator(measured={"compute_s": 0.04, "alpha": 2e-4, "beta": 1e-9, "grad_bytes": 6.3e6})
+    simulate(25.6e6, 0.08, [1, 8, 64, 512], alpha=7e-6, beta=1 / 25e9)   # the numbers behind the curves
+
+`simulate` is the model, a pure function the widgets only draw: DDP weak scaling (each GPU keeps its batch, so
+its compute per step stays the same), one step = compute + the all-reduce time that compute does not hide
+(`costs.ddp_step_time`: ring all-reduce in buckets, α–β per message). It is a model: no stragglers, no
+data loading, one flat ring (NCCL switches to trees and hierarchical rings at scale, so at thousands of GPUs
+the ring's 2(N−1)·α latency term overstates real latency).
+
+Both widgets draw into an Output by setting its outputs (`append_display_data`), not with `with out:`, so they
+work the same in JupyterLab, under papermill and in plain Python (tests), from any thread.
+"""
+from __future__ import annotations
+
+import io
+import math
+import numbers
+import re
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from . import costs
+from .result import list_runs
+from .traces import TraceError, analyze_run
+
+FITTED = "your fitted α–β (this machine)"
+WORLD_SIZES = [2**k for k in range(15)]  # 1 … 16384: the simulator's world-size choices
+
+
+# --- the model --------------------------------------------------------------------------------------
+def simulate(params_count, compute_s, world_sizes, alpha, beta, bucket_bytes=25 * 2**20, overlap=True, *,
+             bytes_per_param=4, batch_per_gpu=1) -> list[dict]:
+    """Modelled DDP step at each world size N (weak scaling: the per-GPU batch and compute stay fixed).
+
+    Per N: comm_s = all-reduce time of all gradient buckets (ring, α–β), exposed_s = the part compute does not
+    hide (with overlap: the last bucket, or all comm beyond compute; without: all of it), step_s = compute_s +
+    exposed_s, throughput = N·batch_per_gpu / step_s (samples/s), efficiency = throughput / (N × throughput at
+    N=1) = compute_s / step_s, and comm_bound = exposed_s > compute_s: more than half of every step is spent
+    waiting for the network (efficiency below 50 %), so adding GPUs buys less than half a GPU each.
+    Same formulas as costs.ddp_step_time, in closed form so that a trillion parameters in small buckets
+    costs no more than a million.
+    """
+    _check_positive(params_count, "params_count", "the number of parameters, e.g. 25.6e6")
+    _check_positive(compute_s, "compute_s", "seconds of forward + backward per step on one GPU")
+    _check_positive(bucket_bytes, "bucket_bytes", "DDP's bucket_cap_mb × 2**20")
+    _check_positive(bytes_per_param, "bytes_per_param", "4 for fp32 gradients, 2 for bf16/fp16")
+    _check_positive(batch_per_gpu, "batch_per_gpu", "samples per GPU per step")
+    if alpha < 0 or beta < 0:
+        raise ValueError(f"alpha and beta must be >= 0 (got {alpha}, {beta}): seconds per message and per byte")
+    sizes = list(world_sizes)
+    if not sizes or not all(isinstance(n, numbers.Integral) and n >= 1 for n in sizes):
+        raise ValueError(f"world_sizes must be whole numbers >= 1, e.g. [1, 2, 4, 8], got {world_sizes!r}")
+    grad_bytes = round(params_count * bytes_per_param)
+    full, rest = divmod(grad_bytes, bucket_bytes)
+    rows = []
+    for n in sizes:
+        t_full = costs.collective_time("all_reduce", bucket_bytes, n, alpha, beta)
+        t_rest = costs.collective_time("all_reduce", rest, n, alpha, beta) if rest else 0.0
+        comm = full * t_full + t_rest
+        last = t_rest if rest else (t_full if full else 0.0)
+        exposed = max(last, comm - compute_s) if overlap else comm
+        step = compute_s + exposed
+        rows.append({"world_size": n, "compute_s": compute_s, "comm_s": comm, "exposed_s": exposed, "step_s": step,
+                     "throughput": n * batch_per_gpu / step, "efficiency": compute_s / step,
+                     "comm_bound": exposed > compute_s, "buckets": int(full) + (1 if rest else 0)})
+    return rows
+
+
+def turning_point(rows) -> int | None:
+    """The smallest world size from which every larger one is communication-bound (None if it never is)."""
+    point = None
+    for row in sorted(rows, key=lambda r: r["world_size"]):
+        if row["comm_bound"]:
+            point = row["world_size"] if point is None else point
+        else:
+            point = None
+    return point
+
+
+def _check_positive(value, name, hint):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number ({hint}), got {value!r}")
+
+
+def simulation_plot(curves: dict, *, title: str = "", measured: dict | None = None):
+    """Throughput and efficiency against world size for each {label: simulate() rows}. Each curve's turning
+    point (first communication-bound N) is a vertical dotted line, and named in the legend.
+    measured: optional {N: efficiency} drawn as dots."""
+    fig = Figure(figsize=(11, 4.4 + 0.3 * len(curves) + (0.2 if measured else 0)), layout="constrained")
+    ax_t, ax_e = fig.subplots(1, 2)
+    for i, (label, rows) in enumerate(curves.items()):
+        ns = [r["world_size"] for r in rows]
+        point = turning_point(rows)
+        label += f" — comm-bound from N = {point}" if point else " — compute-bound throughout"
+        style = {"color": f"C{i}", "ls": "-" if i == 0 else "--", "lw": 2 if i == 0 else 1.2}
+        ax_t.plot(ns, [r["throughput"] for r in rows], label=label, **style)
+        ax_e.plot(ns, [100 * r["efficiency"] for r in rows], label=label, **style)
+        one = rows[0]["throughput"] / rows[0]["world_size"]  # ideal: N × one GPU's throughput
+        ax_t.plot(ns, [one * n for n in ns], color=f"C{i}", ls=":", lw=0.8,
+                  label="ideal (linear), dotted" if i == 0 else None)
+        if point is not None:
+            for ax in (ax_t, ax_e):
+                ax.axvline(point, color=f"C{i}", ls=":", lw=1)
+    ns = sorted({r["world_size"] for rows in curves.values() for r in rows})
+    ax_e.axhline(50, color="0.6", ls=":", lw=1)
+    ax_e.text(ns[0], 51, "50 %: exposed comm = compute (beyond: comm-bound)", fontsize=7, color="0.4")
+    if measured:
+        sizes = sorted(measured)
+        ax_e.plot(sizes, [100 * measured[n] for n in sizes], "ko", ms=5, label="measured on this machine")
+    ax_t.set(xscale="log", yscale="log", xlabel="world size N (GPUs)", ylabel="throughput (samples/s)",
+             title="Throughput (modelled)")
+    ax_e.set(xscale="log", ylim=(0, 105), xlabel="world size N (GPUs)", ylabel="efficiency (%)",
+             title="Efficiency = throughput / (N × one GPU's), modelled")
+    for ax in (ax_t, ax_e):
+        ax.set_xticks([n for n in ns if math.log2(n) % 2 == 0] if len(ns) > 8 else ns)
+        ax.get_xaxis().set_major_formatter("{x:g}")
+    handles = {}  # one legend for both panels, below them: it never hides a curve
+    for ax in (ax_t, ax_e):
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", fontsize=8)
+    fig.suptitle(title or "DDP weak scaling, modelled (α–β ring all-reduce, bucketed)", fontsize=10)
+    return fig
+
+
+# --- drawing into an Output widget ---------------------------------------------------------------------
+def _png(fig):
+    """The figure as an IPython Image: displays anywhere, with no pyplot and no inline backend needed."""
+    from IPython.display import Image
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return Image(data=buf.getvalue(), format="png")
+
+
+def _show(out, figures=(), text: str = "") -> None:
+    """Replace what `out` shows: the figures, then the text (monospace). Safe from any thread."""
+    out.outputs = ()
+    for fig in figures:
+        out.append_display_data(_png(fig))
+    if text:
+        out.append_stdout(text + "\n")
+
+
+# --- run explorer ------------------------------------------------------------------------------------
+def traced_runs(runs_dir=None) -> list[tuple[str, tuple[str, str]]]:
+    """(label, (run_dir, trace name)) for every run with traces, newest first; one entry per trace name
+    (runtime.profile(name=...) writes traces/<name><rank>.json; the default name is "rank")."""
+    options = []
+    for run in reversed(list_runs(runs_dir)):
+        names = sorted({m.group(1) for p in (run.run_dir / "traces").glob("*.json")
+                        if (m := re.fullmatch(r"(.*?)(\d+)", p.stem))})
+        for name in names:
+            label = (f"{run.name}" + ("" if name == "rank" else f" [{name}]")
+                     + f" · {run.world_size} rank{'s' if run.world_size != 1 else ''} · {run.status}")
+            options.append((label, (str(run.run_dir), name)))
+    return options
+
+
+class RunExplorer:
+    """A dropdown of the runs that have traces; picking one shows its timeline, breakdown and table."""
+
+    def __init__(self, runs_dir=None):
+        import ipywidgets as w
+
+        self.runs_dir = runs_dir
+        self.analysis = None
+        self.figures: list = []
+        self.dropdown = w.Dropdown(description="run", layout=w.Layout(width="95%"))
+        self.refresh_button = w.Button(description="Refresh", tooltip="list the runs again")
+        self.out = w.Output()
+        self.widget = w.VBox([w.HBox([self.dropdown, self.refresh_button]), self.out])
+        self._quiet = False  # True while refresh() rebuilds the list: one redraw at the end, not one per change
+        self.dropdown.observe(lambda change: None if self._quiet else self.show(change["new"]), names="value")
+        self.refresh_button.on_click(lambda _: self.refresh())
+        self.refresh()
+
+    def refresh(self) -> None:
+        """List the runs again (after launching more); keeps the selection when it still exists."""
+        options = traced_runs(self.runs_dir)
+        values = [v for _, v in options]
+        kept = self.dropdown.value
+        self._quiet = True
+        try:
+            self.dropdown.options = options
+            self.dropdown.value = kept if kept in values else (values[0] if values else None)
+        finally:
+            self._quiet = False
+        if not values:
+            self.analysis, self.figures = None, []
+            root = Path(self.runs_dir) if self.runs_dir else "the runs directory"
+            _show(self.out, text=f"No run with traces in {root} yet: launch a script that profiles its steps "
+                                 "(runtime.profile, as chapter 03's scripts/03_ddp_train.py), then press Refresh.")
+        elif self.dropdown.value != kept or not self.figures:
+            self.show(self.dropdown.value)
+
+    def show(self, value) -> None:
+        """Analyse the selected run's traces and draw them."""
+        if value is None:
+            return
+        run_dir, name = value
+        try:
+            self.analysis = analyze_run(run_dir, name=name)
+        except TraceError as err:
+            self.analysis, self.figures = None, []
+            _show(self.out, text=f"cannot analyse {Path(run_dir).name}: {err}")
+            return
+        from . import timeline
+
+        self.figures = [timeline.timeline_plot(self.analysis), timeline.breakdown_plot(self.analysis)]
+        _show(self.out, self.figures, self.analysis.summary())
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+def run_explorer(runs_dir=None) -> RunExplorer:
+    """Browse the runs that have traces (under runs_dir, default the course's runs directory)."""
+    return RunExplorer(runs_dir)
+
+
+# --- scaling simulator -------------------------------------------------------------------------------
+class ScalingSimulator:
+    """Sliders for the model of `simulate`; shows throughput and efficiency against world size.
+
+    measured: what this machine measured, to start from: compute_s, grad_bytes, alpha, beta (the α–β fit),
+    and optionally batch (per rank), bucket_mb, efficiency ({N: measured efficiency}, drawn as dots with the
+    fitted α–β) and label (where it was measured, for the title).
+    """
+
+    def __init__(self, measured: dict | None = None):
+        import ipywidgets as w
+
+        self.measured = dict(measured or {})
+        m = self.measured
+        has_fit = "alpha" in m and "beta" in m
+        style = {"description_width": "170px"}
+        wide = w.Layout(width="560px")
+        self.params = w.FloatLogSlider(value=m.get("grad_bytes", 4 * 25.6e6) / 4, base=10, min=5, max=12,
+                                       description="parameters", readout_format=".3g", style=style, layout=wide)
+        self.grad_dtype = w.Dropdown(options=[("fp32 (4 B)", 4), ("bf16 / fp16 (2 B)", 2)], value=4,
+                                     description="gradient element", style=style)
+        self.compute_ms = w.FloatLogSlider(value=1e3 * m.get("compute_s", 0.1), base=10, min=-1, max=4,
+                                           description="compute per step (ms)", readout_format=".3g",
+                                           style=style, layout=wide)
+        self.world = w.SelectionRangeSlider(options=WORLD_SIZES, index=(0, 12), description="world sizes",
+                                            style=style, layout=wide)
+        choices = ([FITTED] if has_fit else []) + list(costs.INTERCONNECTS)
+        self.interconnect = w.Dropdown(options=choices, value=choices[0] if has_fit else "InfiniBand NDR 400G",
+                                       description="interconnect", style=style, layout=wide)
+        self.bucket_mb = w.FloatLogSlider(value=m.get("bucket_mb", 25), base=10, min=-1, max=3, description="bucket size (MiB)",
+                                          readout_format=".3g", style=style, layout=wide)
+        self.overlap = w.Checkbox(value=True, description="overlap all-reduce with backward", style=style,
+                                  layout=wide)
+        self.batch = w.BoundedIntText(value=int(m.get("batch", 32)), min=1, max=1 << 20,
+                                      description="batch per GPU", style=style)
+        self.summary = w.HTML()
+        self.out = w.Output()
+        self.controls = [self.params, self.grad_dtype, self.compute_ms, self.world, self.interconnect,
+                         self.bucket_mb, self.overlap, self.batch]
+        self.widget = w.VBox([*self.controls, self.summary, self.out])
+        self.rows: list[dict] = []
+        self.figure = None
+        for control in self.controls:
+            control.observe(lambda _: self.update(), names="value")
+        self.update()
+
+    def link(self) -> tuple[float, float, str]:
+        """(alpha, beta, description) of the chosen interconnect."""
+        if self.interconnect.value == FITTED:
+            where = self.measured.get("label", "this machine")
+            return self.measured["alpha"], self.measured["beta"], f"α–β fitted on {where}"
+        ic = costs.INTERCONNECTS[self.interconnect.value]
+        return ic.alpha, ic.beta, f"{ic.name} (nominal: {ic.bandwidth_bytes_per_s / 1e9:g} GB/s, " \
+                                  f"α = {ic.alpha * 1e6:g} µs)"
+
+    def update(self) -> None:
+        """Recompute the model from the controls and redraw."""
+        alpha, beta, link = self.link()
+        lo, hi = self.world.value
+        sizes = [n for n in WORLD_SIZES if lo <= n <= hi]
+        if sizes[0] != 1:
+            sizes = [1] + sizes  # efficiency is relative to one GPU: always model it
+        kwargs = dict(params_count=self.params.value, compute_s=self.compute_ms.value / 1e3, world_sizes=sizes,
+                      alpha=alpha, beta=beta, bucket_bytes=self.bucket_mb.value * 2**20,
+                      bytes_per_param=self.grad_dtype.value, batch_per_gpu=self.batch.value)
+        self.rows = simulate(**kwargs, overlap=self.overlap.value)
+        other = simulate(**kwargs, overlap=not self.overlap.value)
+        on = "overlap on" if self.overlap.value else "overlap off"
+        off = "overlap off" if self.overlap.value else "overlap on"
+        dots = self.measured.get("efficiency") if self.interconnect.value == FITTED else None
+        self.figure = simulation_plot(
+            {f"{on} (chosen)": self.rows, off: other}, measured=dots,
+            title=(f"Modelled DDP weak scaling: {self.params.value:.3g} parameters, "
+                   f"{self.compute_ms.value:.3g} ms compute/step, {self.bucket_mb.value:.3g} MiB buckets\n{link}"))
+        self.summary.value = self.describe()
+        _show(self.out, [self.figure])
+
+    def describe(self) -> str:
+        """One paragraph (HTML) on the chosen curve: where it turns communication-bound, the largest N."""
+        last, point = self.rows[-1], turning_point(self.rows)
+        turn = (f"communication-bound (exposed comm &gt; compute) from <b>N = {point}</b>" if point else
+                "compute-bound over the whole range (exposed comm ≤ compute)")
+        return (f"<b>Modelled</b>: {turn}. At N = {last['world_size']}: step {_time(last['step_s'])} "
+                f"(compute {_time(last['compute_s'])} + exposed comm {_time(last['exposed_s'])}; "
+                f"all-reduce {_time(last['comm_s'])} in {last['buckets']} bucket(s)), "
+                f"efficiency <b>{100 * last['efficiency']:.0f} %</b>, {last['throughput']:.3g} samples/s.")
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+def _time(seconds: float) -> str:
+    """'50.1 ms', '9.18 s', '2.5 min': readable across the simulator's range."""
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s" if seconds < 120 else f"{seconds / 60:.3g} min"
+
+
+def scaling_simulator(measured: dict | None = None) -> ScalingSimulator:
+    """The scaling simulator, starting from this machine's measurements when given (see ScalingSimulator)."""
+    return ScalingSimulator(measured)

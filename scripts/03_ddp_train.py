@@ -1,0 +1,129 @@
+"""Chapter 03: train a small MLP with DistributedDataParallel, time every step, profile a few.
+
+Three ways to run a step, all on the same DDP-wrapped model:
+    (default)       ddp         gradients all-reduced in buckets of --bucket-cap-mb while backward still runs
+    --no-overlap    no-overlap  backward under no_sync(), then the same buckets all-reduced: no overlap possible
+    --no-ddp        no-ddp      backward under no_sync() and nothing else: compute alone, no communication
+    --compare       all three, alternating step by step, so that all three see the same load on the machine
+
+Each rank trains on its own random batch of --batch samples (weak scaling: the global batch grows with the
+world size). After --warmup untimed steps per mode (DDP settles its buckets in the second), --steps steps per
+mode are timed and logged (mode, step_ms, samples_per_s of this rank). Then, unless --profile-steps 0, each mode
+profiles a few more steps with runtime.profile: traces/rank<r>.json, or traces/<mode>-rank<r>.json with
+--compare. The first record holds the model's size and DDP's buckets.
+"""
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gpucourse import runtime
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=20, help="timed steps (per mode)")
+parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (per mode)")
+parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps at the end (0: no trace)")
+parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+parser.add_argument("--hidden", type=int, default=512, help="width of every layer")
+parser.add_argument("--layers", type=int, default=6, help="hidden x hidden Linear layers")
+parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size (its default: 25)")
+which = parser.add_mutually_exclusive_group()
+which.add_argument("--no-overlap", action="store_true", help="all-reduce the buckets after backward")
+which.add_argument("--no-ddp", action="store_true", help="no gradient synchronisation at all")
+which.add_argument("--compare", action="store_true", help="alternate ddp, no-overlap and no-ddp steps")
+args = parser.parse_args()
+if args.warmup < 2:
+    parser.error("--warmup must be at least 2: DDP rebuilds its buckets, in gradient order, in the second step")
+MODES = (["ddp", "no-overlap", "no-ddp"] if args.compare else ["no-overlap"] if args.no_overlap else
+         ["no-ddp"] if args.no_ddp else ["ddp"])
+
+ctx = runtime.setup(seed=0, seed_per_rank=False)  # same initial weights everywhere (DDP broadcasts them anyway)
+torch.manual_seed(1000 + ctx.rank)  # ...but each rank draws its own data
+net = nn.Sequential(*[m for _ in range(args.layers) for m in (nn.Linear(args.hidden, args.hidden), nn.ReLU())])
+params = list(net.parameters())
+model = DDP(net.to(ctx.device), bucket_cap_mb=args.bucket_cap_mb)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+x = torch.randn(args.batch, args.hidden, device=ctx.device)
+y = torch.randn(args.batch, args.hidden, device=ctx.device)
+
+
+def buckets_after_backward():
+    """--no-overlap: the gradients grouped as DDP groups them (last layer first, each bucket filled to >= cap)."""
+    cap, groups, size = args.bucket_cap_mb * 2**20, [[]], 0
+    for p in reversed(params):
+        if size >= cap:  # DDP closes a bucket once it holds at least the cap
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.numel() * p.element_size()
+    return groups
+
+
+GROUPS = buckets_after_backward()
+
+
+def allreduce_after_backward():
+    """What DDP does, minus the overlap: average each bucket's gradients, one bucket after the other."""
+    for group in GROUPS:
+        flat = torch.cat([p.grad.flatten() for p in group])
+        dist.all_reduce(flat)
+        flat /= ctx.world_size
+        offset = 0
+        for p in group:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+
+
+def train_step(mode):
+    opt.zero_grad(set_to_none=True)
+    if mode == "ddp":
+        nn.functional.mse_loss(model(x), y).backward()  # buckets all-reduce as soon as they fill up
+    else:
+        with model.no_sync():  # DDP's hooks stay silent: backward computes local gradients only
+            nn.functional.mse_loss(model(x), y).backward()
+        if mode == "no-overlap":
+            allreduce_after_backward()  # every byte is sent after backward has returned
+    opt.step()
+
+
+def sync():
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def ddp_buckets():
+    """The sizes in bytes of DDP's buckets, read from its reducer (a private API: DDP has no public one)."""
+    return [b.buffer().numel() * b.buffer().element_size() for b in model.reducer._get_zeros_like_grad_buckets()]
+
+
+for mode in MODES:
+    for _ in range(args.warmup):
+        train_step(mode)
+buckets = (ddp_buckets() if "ddp" in MODES else
+           [sum(p.numel() * p.element_size() for p in g) for g in GROUPS] if "no-overlap" in MODES else [])
+runtime.log(modes=MODES, params=sum(p.numel() for p in params), grad_bytes=sum(p.numel() * p.element_size()
+            for p in params), batch=args.batch, hidden=args.hidden, layers=args.layers,
+            bucket_cap_mb=args.bucket_cap_mb, buckets=buckets, threads=torch.get_num_threads())
+
+for step in range(args.steps):
+    for i in range(len(MODES)):
+        mode = MODES[(step + i) % len(MODES)]  # rotate the order: no mode always runs first
+        sync()
+        start = time.perf_counter()
+        train_step(mode)
+        sync()
+        seconds = time.perf_counter() - start
+        runtime.log(step=step, total=args.steps, mode=mode, step_ms=seconds * 1e3, samples_per_s=args.batch / seconds)
+
+if args.profile_steps:
+    for mode in MODES:
+        with runtime.profile(wait=1, warmup=1, active=args.profile_steps,
+                             name=f"{mode}-rank" if args.compare else None) as prof:
+            for _ in range(args.profile_steps + 2):
+                train_step(mode)
+                sync()
+                prof.step()
+runtime.teardown()

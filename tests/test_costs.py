@@ -4,7 +4,6 @@ Expected values are written out as arithmetic, never computed with the
 function under test, so a wrong formula fails here.
 """
 import dataclasses
-import math
 import subprocess
 import sys
 

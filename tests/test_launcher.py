@@ -7,7 +7,6 @@ import textwrap
 import threading
 import time
 
-import psutil
 import pytest
 
 import gpucourse

@@ -16,26 +16,22 @@ loop or an early exit costs the cases it breaks, not the grading run.
 import argparse
 import contextlib
 import functools
-import importlib.util
-import io
 import os
 import re
 import sys
-import threading
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend, ProcessGroup
 
+import jobkit  # beside this script: what every grading job shares
 from gpucourse import runtime
 
 FUNCTION = "ring_all_reduce"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 BANDWIDTH_BYTES = 4 * 2**20
 BANDWIDTH_REPEATS = 5
-OUTPUT_BUDGET = 10_000  # characters of the submission's own output kept per rank
 # Collective method names of ProcessGroup, Backend and the functional collectives (not send/recv, not allocate_*).
 COLLECTIVE_RE = re.compile(r"^_?(all_?(reduce|gather|to_?all)|reduce|gather|scatter|broadcast|(monitored_)?barrier)")
 DIST_COLLECTIVES = (
@@ -44,7 +40,6 @@ DIST_COLLECTIVES = (
     "all_gather_object", "gather", "gather_object", "scatter", "scatter_object_list", "reduce_scatter",
     "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "all_to_all", "all_to_all_single",
     "barrier", "monitored_barrier")
-GLOO_WHERE = re.compile(r"\[[^\]]*third_party/gloo[^\]]*\] ")
 PEER_LOST = re.compile(r"Connection closed by peer|Read error|Connection reset|Broken pipe")  # another rank died
 SUBMISSION = [""]  # its path, set by main(): tracebacks are reported at the submission's own lines
 REAL_ALL_REDUCE, REAL_BARRIER = dist.all_reduce, dist.barrier  # the job's own, kept before the guard wraps them
@@ -59,7 +54,7 @@ class Guard:
         self.active, self.depth = False, 0
         self.collectives: list[str] = []
         self.sent_bytes = 0
-        self.output_left = OUTPUT_BUDGET
+        self.output = jobkit.CappedOutput()
 
     def install(self) -> None:
         from torch.distributed import distributed_c10d as c10d
@@ -105,56 +100,12 @@ class Guard:
     def watching(self):
         """Run the submission: record collectives and bytes, cap what it prints."""
         self.collectives, self.sent_bytes, self.active = [], 0, True
-        capped = _CappedOutput(self)
         try:
-            with contextlib.redirect_stdout(capped), contextlib.redirect_stderr(capped):
+            with self.output.capturing():
                 yield self
         finally:
             self.active = False
 
-
-class _CappedOutput(io.TextIOBase):
-    """Keeps the first OUTPUT_BUDGET characters the submission prints: a print loop cannot flood the logs."""
-
-    def __init__(self, guard: Guard):
-        self.guard = guard
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        left = self.guard.output_left
-        if left > 0:
-            sys.__stdout__.write(text[:left])
-            if len(text) >= left:
-                sys.__stdout__.write(f"\n[grader: output cut after {OUTPUT_BUDGET} characters]\n")
-        self.guard.output_left = left - len(text)
-        return len(text)
-
-
-# --- the watchdog: a case that never ends is reported, then the rank ends -------------------------
-class Watchdog:
-    def __init__(self):
-        self.case, self.group, self.deadline, self.limit = None, None, None, None
-        threading.Thread(target=self._watch, name="grader-watchdog", daemon=True).start()
-
-    @contextlib.contextmanager
-    def case_limit(self, case: str, group: str, limit: float):
-        self.case, self.group, self.limit, self.deadline = case, group, limit, time.monotonic() + limit
-        try:
-            yield
-        finally:
-            self.deadline = None
-
-    def _watch(self):
-        while True:
-            time.sleep(0.2)
-            if self.deadline is not None and time.monotonic() > self.deadline:
-                runtime.log(case=self.case, group=self.group, timed_out=True,
-                            error=f"did not finish within {self.limit:g} s: a deadlock (a rank waiting for a "
-                                  f"message never sent), an endless loop, or far too slow")
-                sys.__stdout__.flush()
-                os._exit(3)
 
 
 # --- the cases --------------------------------------------------------------------------------------
@@ -196,11 +147,7 @@ def compare(value, expected: torch.Tensor, values: str) -> dict:
 
 
 def one_line(err: BaseException) -> str:
-    """`Type: message (at file:line)`, the line being the submission's last frame; gloo's source path dropped."""
-    text = f"{type(err).__name__}: {GLOO_WHERE.sub('', str(err))}".strip().splitlines()
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == SUBMISSION[0]]
-    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    return (text[0] if text else type(err).__name__)[:300] + where
+    return jobkit.one_line(err, SUBMISSION[0])
 
 
 def reference(tensor: torch.Tensor, values: str) -> torch.Tensor:
@@ -252,13 +199,6 @@ def measure_bandwidth(fn, guard, world) -> dict:
     return {"nbytes": BANDWIDTH_BYTES, "ours_s": ours, "gloo_s": gloo, "world": world, "collectives": sorted(used)}
 
 
-def load_submission(path: str):
-    spec = importlib.util.spec_from_file_location("submission_ex01", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("submission")
@@ -267,7 +207,8 @@ def main() -> None:
     args = parser.parse_args()
     SUBMISSION[0] = os.path.abspath(args.submission)
     ctx = runtime.setup(seed=0)
-    guard, watchdog = Guard(), Watchdog()
+    guard, watchdog = Guard(), jobkit.Watchdog(
+        "a deadlock (a rank waiting for a message never sent), an endless loop, or far too slow")
     guard.install()
     cases = plan(ctx.world_size)
     runtime.log(case="plan", cases={case: group for case, group, *_ in cases})
@@ -275,7 +216,7 @@ def main() -> None:
     with watchdog.case_limit("import", "import", args.case_limit):
         try:
             with guard.watching():
-                fn = getattr(load_submission(args.submission), FUNCTION, None)
+                fn = getattr(jobkit.load_submission(args.submission, "ex01"), FUNCTION, None)
             if not callable(fn):
                 raise AttributeError(f"{os.path.basename(args.submission)} defines no function {FUNCTION}")
         except BaseException as err:  # noqa: BLE001 - a broken submission is graded, not a grader crash

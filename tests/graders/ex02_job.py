@@ -24,19 +24,16 @@ import argparse
 import contextlib
 import copy
 import functools
-import importlib.util
-import io
 import os
 import sys
-import threading
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._C._distributed_c10d import ProcessGroup
 
+import jobkit  # beside this script: what every grading job shares
 from gpucourse import runtime
 
 IMPLS = ("DDP", "BucketedDDP")
@@ -48,7 +45,6 @@ EQUIV_BUCKET_MB = 0.001  # ~1 KiB: the small equivalence models still get severa
 OVERLAP_BUCKET_MB = 0.3  # one 256x256 layer (257 KiB) per bucket
 SMALL_BUCKET_MB, LARGE_BUCKET_MB = 0.05, 100.0
 TOLERANCE = 1e-5  # float32, a few steps; the reference reaches ~1e-7
-OUTPUT_BUDGET = 10_000  # characters of the submission's own output kept per rank
 REAL_BROADCAST = dist.broadcast  # the job's own, kept before the guard wraps anything
 SUBMISSION = [""]  # its path, set by main(): tracebacks are reported at the submission's own lines
 
@@ -59,7 +55,7 @@ class Guard:
         self.active, self.depth = False, 0
         self.calls: list[dict] = []  # {"t": perf_counter at the call, "bytes": ..., "async": ...}
         self.ddp_used = False
-        self.output_left = OUTPUT_BUDGET
+        self.output = jobkit.CappedOutput()
 
     def install(self) -> None:
         from torch.distributed import distributed_c10d as c10d
@@ -101,9 +97,8 @@ class Guard:
     def watching(self):
         """Run the submission: record its all_reduces, cap what it prints."""
         self.calls, self.active = [], True
-        capped = _CappedOutput(self)
         try:
-            with contextlib.redirect_stdout(capped), contextlib.redirect_stderr(capped):
+            with self.output.capturing():
                 yield self
         finally:
             self.active = False
@@ -117,57 +112,8 @@ def _nbytes(tensors) -> int:
     return 0
 
 
-class _CappedOutput(io.TextIOBase):
-    """Keeps the first OUTPUT_BUDGET characters the submission prints: a print loop cannot flood the logs."""
-
-    def __init__(self, guard: Guard):
-        self.guard = guard
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        left = self.guard.output_left
-        if left > 0:
-            sys.__stdout__.write(text[:left])
-            if len(text) >= left:
-                sys.__stdout__.write(f"\n[grader: output cut after {OUTPUT_BUDGET} characters]\n")
-        self.guard.output_left = left - len(text)
-        return len(text)
-
-
-class Watchdog:
-    """Ends the rank, after logging why, when the current case runs past its limit."""
-
-    def __init__(self):
-        self.case, self.group, self.deadline, self.limit = None, None, None, None
-        threading.Thread(target=self._watch, name="grader-watchdog", daemon=True).start()
-
-    @contextlib.contextmanager
-    def case_limit(self, case: str, group: str, limit: float):
-        self.case, self.group, self.limit, self.deadline = case, group, limit, time.monotonic() + limit
-        try:
-            yield
-        finally:
-            self.deadline = None
-
-    def _watch(self):
-        while True:
-            time.sleep(0.2)
-            if self.deadline is not None and time.monotonic() > self.deadline:
-                runtime.log(case=self.case, group=self.group, timed_out=True,
-                            error=f"did not finish within {self.limit:g} s: a deadlock (a handle waited on that "
-                                  f"the other rank never matched), an endless loop, or far too slow")
-                sys.__stdout__.flush()
-                os._exit(3)
-
-
 def one_line(err: BaseException) -> str:
-    """`Type: message (at file:line)`, the line being the submission's last frame."""
-    text = f"{type(err).__name__}: {err}".strip().splitlines()
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == SUBMISSION[0]]
-    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    return (text[0] if text else type(err).__name__)[:300] + where
+    return jobkit.one_line(err, SUBMISSION[0])
 
 
 # --- the models ----------------------------------------------------------------------------------
@@ -386,13 +332,6 @@ def plan() -> list[tuple[str, str, object]]:
     return cases
 
 
-def load_submission(path: str):
-    spec = importlib.util.spec_from_file_location("submission_ex02", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("submission")
@@ -400,7 +339,8 @@ def main() -> None:
     args = parser.parse_args()
     SUBMISSION[0] = os.path.abspath(args.submission)
     runtime.setup(seed=0)
-    guard, watchdog = Guard(), Watchdog()
+    guard, watchdog = Guard(), jobkit.Watchdog(
+        "a deadlock (a handle waited on that the other rank never matched), an endless loop, or far too slow")
     guard.install()
     cases = plan()
     runtime.log(case="plan", cases={case: group for case, group, _ in cases})
@@ -408,7 +348,7 @@ def main() -> None:
     with watchdog.case_limit("import", "import", args.case_limit):
         try:
             with guard.watching():
-                module = load_submission(args.submission)
+                module = jobkit.load_submission(args.submission, "ex02")
             impls = {name: getattr(module, name, None) for name in IMPLS}
             missing = [name for name, cls in impls.items() if not callable(cls)]
             if missing:

@@ -13,6 +13,8 @@ import pytest
 from gpucourse import costs
 from gpucourse.launcher import launch
 
+from .job_records import JobRecords
+
 pytestmark = pytest.mark.grader
 
 JOB = Path(__file__).with_name("ex01_job.py")
@@ -23,60 +25,17 @@ CASE_LIMIT_S = 15
 JOB_TIMEOUT_S = 150
 
 
-class Job:
-    """The records one grading job left, by case and rank, and why it stopped if it did not finish."""
-
-    def __init__(self, result, world: int):
-        self.result, self.world = result, world
-        self.records: dict[str, dict[int, dict]] = {}
-        for rank, records in result.metrics.items():
-            for rec in records:
-                if "case" in rec:
-                    self.records.setdefault(rec["case"], {})[rank] = rec
-        plans = self.records.get("plan", {})
-        self.plan: dict[str, str] = next(iter(plans.values()))["cases"] if plans else {}
-
-    def why_stopped(self) -> str:
-        for rec in self.records.get("import", {}).values():
-            return f"the submission could not be loaded: {rec['error']}"
-        started = [case for case in self.plan if case in self.records]
-        if started:
-            return f"the job stopped at case {started[-1]}"
-        return self.result.error.summary if self.result.error else f"the job ended early ({self.result.status})"
-
-    def cases(self, group: str | None = None) -> list[str]:
-        """The cases this job planned (of one group, or all), or fail with why the job never planned any."""
-        if not self.plan:
-            pytest.fail(f"{self.world} rank(s): {self.why_stopped()}", pytrace=False)
-        return [case for case, g in self.plan.items() if group in (None, g)]
-
-    def ranks(self, case: str) -> list[dict]:
-        """Every rank's record of `case`. When some ranks have one and others not, those ended during it."""
-        got = self.records.get(case, {})
-        if not got:
-            return [{"case": case, "rank": 0, "error": f"not run: {self.why_stopped()}"}]
-        return [got.get(r) or self._silent(case, r) for r in range(self.world)]
-
-    def _silent(self, case: str, rank: int) -> dict:
-        """A rank that left no record of a case others reached: it ended by itself, or was stopped."""
-        code = self.result.returncodes.get(rank)
-        if code in (-9, -15):  # SIGKILL/SIGTERM: torchrun shutting the job down after another rank failed
-            return {"case": case, "rank": rank, "peer_lost": True, "error": "stopped when another rank failed"}
-        how = f"exit code {code}" if code is not None else "os._exit? a crash?"
-        return {"case": case, "rank": rank, "ended": True, "error": f"the process ended during this case ({how})"}
-
-
 @pytest.fixture(scope="module")
-def jobs(submission) -> dict[int, Job]:
+def jobs(submission) -> dict[int, JobRecords]:
     """{world size: Job}, launched once for the module. The 1-3 rank jobs run side by side (their start-up
     waits overlap on two cores); the 4-rank job runs alone afterwards, because it times bandwidth."""
 
-    def run(world: int) -> Job:
+    def run(world: int) -> JobRecords:
         args = [str(submission), "--case-limit", str(CASE_LIMIT_S)]
         args += ["--bandwidth"] if world == BANDWIDTH_WORLD else []
         result = launch(JOB, nproc=world, args=args, name=f"grade-ex01-w{world}", timeout=JOB_TIMEOUT_S,
                         stall_timeout=6 * CASE_LIMIT_S, check=False, live=False)
-        return Job(result, world)
+        return JobRecords(result, world)
 
     side_by_side = [w for w in WORLD_SIZES if w != BANDWIDTH_WORLD]
     with ThreadPoolExecutor(len(side_by_side)) as pool:

@@ -18,6 +18,8 @@ import pytest
 
 from gpucourse.launcher import launch
 
+from .job_records import JobRecords
+
 pytestmark = pytest.mark.grader
 
 JOB = Path(__file__).with_name("ex02_job.py")
@@ -29,57 +31,14 @@ FORBIDDEN_NAMES = {"DistributedDataParallel", "FullyShardedDataParallel", "fully
 FORBIDDEN_MODULES = ("torch.nn.parallel", "torch.distributed.fsdp", "torch.distributed._composable")
 
 
-class Job:
-    """The records the grading job left, by case and rank, and why it stopped if it did not finish."""
-
-    def __init__(self, result):
-        self.result = result
-        self.records: dict[str, dict[int, dict]] = {}
-        for rank, records in result.metrics.items():
-            for rec in records:
-                if "case" in rec:
-                    self.records.setdefault(rec["case"], {})[rank] = rec
-        plans = self.records.get("plan", {})
-        self.plan: dict[str, str] = next(iter(plans.values()))["cases"] if plans else {}
-
-    def why_stopped(self) -> str:
-        for rec in self.records.get("import", {}).values():
-            return f"the submission could not be loaded: {rec['error']}"
-        started = [case for case in self.plan if case in self.records]
-        if started:
-            return f"the job stopped at case {started[-1]}"
-        return self.result.error.summary if self.result.error else f"the job ended early ({self.result.status})"
-
-    def cases(self, group: str) -> list[str]:
-        if not self.plan:
-            pytest.fail(self.why_stopped(), pytrace=False)
-        return [case for case, g in self.plan.items() if g == group]
-
-    def ranks(self, case: str) -> list[dict]:
-        """Every rank's record of `case`; a rank without one ended (or was stopped) during it."""
-        got = self.records.get(case, {})
-        if not got:
-            return [{"case": case, "rank": 0, "error": f"not run: {self.why_stopped()}"}]
-        out = []
-        for rank in range(WORLD):
-            if rank in got:
-                out.append(got[rank])
-                continue
-            code = self.result.returncodes.get(rank)
-            why = ("stopped when another rank failed" if code in (-9, -15) else
-                   f"the process ended during this case (exit code {code})")
-            out.append({"case": case, "rank": rank, "error": why, "peer_lost": code in (-9, -15)})
-        return out
-
-
 @pytest.fixture(scope="module")
-def job(submission) -> Job:
+def job(submission) -> JobRecords:
     result = launch(JOB, nproc=WORLD, args=[str(submission), "--case-limit", str(CASE_LIMIT_S)],
                     name="grade-ex02", timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S, check=False, live=False)
-    return Job(result)
+    return JobRecords(result, WORLD)
 
 
-def check(job: Job, cases: list[str], problem) -> None:
+def check(job: JobRecords, cases: list[str], problem) -> None:
     """Fail with the first failing case (one line, its most telling rank), counting the others.
 
     problem(rec) -> None when a rank's record of a case is right, else why not. A rank that raised is

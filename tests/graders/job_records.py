@@ -1,0 +1,48 @@
+"""The grader side of a grading job: the records it left, by case and rank, and why it stopped early.
+
+Every exNN_job.py logs `{"case": "plan", "cases": {case: group}}` first, `{"case": "import", "error": ...}`
+if the submission cannot be loaded, then one record per case and rank. The tests ask for a case's records
+and get one per rank, with a made-up record (and the reason) for a rank that ended during the case.
+"""
+import pytest
+
+
+class JobRecords:
+    def __init__(self, result, world: int):
+        self.result, self.world = result, world
+        self.records: dict[str, dict[int, dict]] = {}
+        for rank, records in result.metrics.items():
+            for rec in records:
+                if "case" in rec:
+                    self.records.setdefault(rec["case"], {})[rank] = rec
+        plans = self.records.get("plan", {})
+        self.plan: dict[str, str] = next(iter(plans.values()))["cases"] if plans else {}
+
+    def why_stopped(self) -> str:
+        for rec in self.records.get("import", {}).values():
+            return f"the submission could not be loaded: {rec['error']}"
+        started = [case for case in self.plan if case in self.records]
+        if started:
+            return f"the job stopped at case {started[-1]}"
+        return self.result.error.summary if self.result.error else f"the job ended early ({self.result.status})"
+
+    def cases(self, group: str | None = None) -> list[str]:
+        """The cases this job planned (of one group, or all), or fail with why the job never planned any."""
+        if not self.plan:
+            pytest.fail(f"{self.world} rank(s): {self.why_stopped()}", pytrace=False)
+        return [case for case, g in self.plan.items() if group in (None, g)]
+
+    def ranks(self, case: str) -> list[dict]:
+        """Every rank's record of `case`. When some ranks have one and others not, those ended during it."""
+        got = self.records.get(case, {})
+        if not got:
+            return [{"case": case, "rank": 0, "error": f"not run: {self.why_stopped()}"}]
+        return [got.get(r) or self._silent(case, r) for r in range(self.world)]
+
+    def _silent(self, case: str, rank: int) -> dict:
+        """A rank that left no record of a case others reached: it ended by itself, or was stopped."""
+        code = self.result.returncodes.get(rank)
+        if code in (-9, -15):  # SIGKILL/SIGTERM: torchrun shutting the job down after another rank failed
+            return {"case": case, "rank": rank, "peer_lost": True, "error": "stopped when another rank failed"}
+        how = f"exit code {code}" if code is not None else "os._exit? a crash?"
+        return {"case": case, "rank": rank, "ended": True, "error": f"the process ended during this case ({how})"}

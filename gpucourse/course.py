@@ -107,23 +107,45 @@ def run_course(*, smoke: bool = False, only: list[str] | None = None, output: Pa
 CHECK_MARK = "NBVAL_CHECK_OUTPUT"
 
 
-def refresh_checked_outputs(path: Path, executed: Path) -> int:
-    """Copy the outputs of the cells marked NBVAL_CHECK_OUTPUT from an executed copy into the source.
+def expected_outputs_file(path: Path) -> Path:
+    """Where the outputs nbval compares a notebook's checked cells against are kept (not in the notebook,
+    which is stored stripped)."""
+    return path.parent.parent / "tests" / "notebook_outputs" / f"{path.stem}.json"
 
-    The sources are stored stripped, except these cells: nbval (lax mode) compares them on every CI run.
-    """
+
+def checked_cell_outputs(executed: Path) -> dict:
+    """{cell id: outputs} of the cells marked NBVAL_CHECK_OUTPUT in an executed notebook."""
     import nbformat
 
-    source, done = nbformat.read(path, as_version=4), nbformat.read(executed, as_version=4)
-    by_id = {c.get("id"): c for c in done.cells}
-    count = 0
-    for cell in source.cells:
-        if cell.cell_type == "code" and CHECK_MARK in cell.source:
-            cell.outputs = by_id[cell.get("id")].outputs
+    nb = nbformat.read(executed, as_version=4)
+    return {c.id: c.outputs for c in nb.cells if c.cell_type == "code" and CHECK_MARK in c.source}
+
+
+def refresh_checked_outputs(path: Path, executed: Path) -> int:
+    """Store the outputs of the checked cells of an executed run (learner defaults) as nbval's reference."""
+    import json
+
+    outputs = checked_cell_outputs(executed)
+    target = expected_outputs_file(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(outputs, indent=1, sort_keys=True) + "\n")
+    return len(outputs)
+
+
+def with_expected_outputs(path: Path, out: Path) -> Path:
+    """A copy of the stripped notebook with the stored reference outputs put back, for nbval --nbval-lax."""
+    import json
+
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    expected = json.loads(expected_outputs_file(path).read_text())
+    for cell in nb.cells:
+        if cell.get("id") in expected:
+            cell.outputs = [nbformat.from_dict(o) for o in expected[cell.id]]
             cell.execution_count = 1  # nbval skips cells it thinks were never run
-            count += 1
-    nbformat.write(source, path)
-    return count
+    nbformat.write(nb, out)
+    return out
 
 
 def table(results: list[NotebookRun]) -> str:

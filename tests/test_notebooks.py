@@ -6,7 +6,7 @@ import sys
 import nbformat
 import pytest
 
-from gpucourse.course import CHECK_MARK, execute_notebook, find_notebooks
+from gpucourse.course import CHECK_MARK, execute_notebook, expected_outputs_file, find_notebooks, with_expected_outputs
 
 from .conftest import ROOT, run_processes
 
@@ -39,9 +39,8 @@ def test_notebook_is_stored_stripped(path):
     for i, cell in enumerate(_cells(path)):
         if cell.cell_type != "code":
             continue
-        if CHECK_MARK not in cell.source:  # checked cells keep the output nbval compares against
-            assert cell.execution_count is None, f"{path.name} cell {i} has an execution count: strip it"
-            assert not cell.outputs, f"{path.name} cell {i} is stored with outputs: strip it (nbstripout)"
+        assert cell.execution_count is None, f"{path.name} cell {i} has an execution count: strip it"
+        assert not cell.outputs, f"{path.name} cell {i} is stored with outputs: strip it (nbstripout)"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -72,12 +71,28 @@ def test_scripts_equal_what_the_notebook_writes(path):
 CHECKED = [p for p in NOTEBOOKS if any(CHECK_MARK in c.source for c in _cells(p))]
 
 
+@pytest.mark.parametrize("path", CHECKED, ids=lambda p: p.stem)
+def test_checked_cells_have_stored_reference_outputs(path):
+    import json
+
+    ids = {c.id for c in _cells(path) if c.cell_type == "code" and CHECK_MARK in c.source}
+    stored = json.loads(expected_outputs_file(path).read_text())
+    assert set(stored) == ids and all(stored.values()), (
+        f"refresh with: gpucourse course --only {path.stem[:2]} --refresh-checked")
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", CHECKED, ids=lambda p: p.stem)
 def test_checked_cells_match_with_nbval(path, tmp_path):
+    """nbval (lax) re-runs the notebook with learner defaults and compares the marked cells with the stored
+    reference. The copy sits beside the original so the notebook's relative paths (../scripts) still hold."""
+    copy = with_expected_outputs(path, path.with_name(f".nbval-{path.name}"))
     env = {**__import__("os").environ, "GPUCOURSE_RUNS_DIR": str(tmp_path / "runs"), "GPUCOURSE_LIVE": "text"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
-                          "--nbval-sanitize-with", str(ROOT / "tests" / "nbval_sanitize.cfg"),
-                          "--nbval-cell-timeout", "300", str(path)],
-                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
+    try:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+                              "--nbval-sanitize-with", str(ROOT / "tests" / "nbval_sanitize.cfg"),
+                              "--nbval-cell-timeout", "300", str(copy)],
+                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
+    finally:
+        copy.unlink()
     assert out.returncode == 0, out.stdout[-4000:]

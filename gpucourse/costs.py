@@ -278,3 +278,29 @@ def scaling_efficiency(single_step_s, step_s):
     _require(single_step_s > 0, f"single_step_s must be > 0, got {single_step_s}")
     _require(step_s > 0, f"step_s must be > 0, got {step_s}")
     return single_step_s / step_s
+
+
+# --- 8. bytes per parameter, by optimizer and precision --------------------------------------------
+
+# fp32 tensors of the parameter's shape that each optimizer keeps per parameter
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
+PRECISIONS = ("mixed", "fp32")
+
+
+def state_bytes_per_param(optimizer="adam", precision="mixed"):
+    """Bytes per parameter of the model states, as zero_memory_bytes's keyword arguments.
+
+    precision="mixed" (bf16/fp16 training, as in the ZeRO paper): a 2-byte parameter and gradient, and an
+    fp32 master copy (4) besides the fp32 optimizer states (4 each): Adam 2 + 2 + (4 + 8) = 16.
+    precision="fp32": 4-byte parameter and gradient, no master copy (the parameter is the master):
+    Adam 4 + 4 + 8 = 16 too, SGD with momentum 4 + 4 + 4, plain SGD 4 + 4 + 0.
+
+        zero_memory_bytes(psi, n, stage, **state_bytes_per_param("sgd_momentum", "fp32"))
+    """
+    _require(optimizer in OPTIMIZER_STATES,
+             f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZER_STATES)}")
+    _require(precision in PRECISIONS, f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    states = 4 * OPTIMIZER_STATES[optimizer]
+    if precision == "mixed":
+        return {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 4 + states}
+    return {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": states}

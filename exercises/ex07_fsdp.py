@@ -1,0 +1,139 @@
+# Generated from solutions/ex07_fsdp.py by `gpucourse make-exercises`: course authors edit the
+# solution, not this file. Learners: fill in every `# YOUR CODE HERE`, then `gpucourse grade ex07`.
+"""Exercise 07, part 2: fully sharded data parallelism (ZeRO stage 3) by hand, per parameter.
+
+Task
+----
+`FSDP(module, compute_dtype=None)` wraps a model so that each of the N ranks keeps only 1/N of every
+parameter (its shard, fp32), gathers the full parameter just before a layer uses it — in forward AND again
+in backward — and frees it right after; gradients are reduce-scattered, so each rank ends a step with the
+averaged gradient of its own shard only, and the optimizer (built on `fsdp.parameters()`: the shards) keeps
+1/N of the state. Training loop (the grader's):
+
+    model = FSDP(net)                                   # or FSDP(net, compute_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss = loss_fn(model(x_local), y_local)
+    loss.backward()
+    model.finish_gradient_synchronization()
+    opt.step(); opt.zero_grad()
+    full = model.gather_full_params()                   # {"0.weight": full fp32 tensor, ...}
+
+With a mean-reduced loss on each rank's slice of the batch, the parameters match one process training the
+unwrapped model with AdamW on the whole batch, step by step.
+
+Rules
+-----
+- At construction broadcast rank 0's parameters, then keep for each parameter (tied ones once) a flat fp32
+  shard of ceil(numel / N) elements, zero-padded at the end: rank r holds elements [r*s, (r+1)*s). The
+  shards are the wrapper's parameters (`model.parameters()` yields them and nothing else); the wrapped
+  modules must not keep the full parameters.
+- Before a module that owns parameters runs its forward, all-gather them (`dist.all_gather_into_tensor` /
+  `all_gather_single`), in `compute_dtype` if given; free them when its forward ends. Nothing may keep a full
+  parameter alive between forward and backward (the grader looks): gather again when backward needs it
+  (`torch.autograd.graph.saved_tensors_hooks` lets you replace a saved tensor by a way to get it back).
+- In backward, reduce-scatter each full gradient (`dist.reduce_scatter_single`, summed, then divided by N),
+  asynchronously if you like; `finish_gradient_synchronization()` waits for them and leaves the averaged fp32
+  gradient of each shard in `shard.grad` (accumulated across uses of a tied parameter). Never all-reduce whole
+  gradients.
+- `compute_dtype` (e.g. torch.bfloat16): the forward and backward run in that dtype (inputs cast to it, floating
+  outputs cast back to float32); shards, gradients and optimizer stay fp32 (master weights).
+- `gather_full_params()` returns {name: full fp32 tensor} for every parameter (names as in
+  `module.named_parameters()` before wrapping).
+- Do not use torch's FullyShardedDataParallel or fully_shard (the grader checks).
+
+Check your work: `gpucourse grade ex07_fsdp`.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# torch >= 2.13 names them *_single (the *_tensor names still work, with a deprecation warning)
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather(shard: torch.Tensor, numel: int, shape, dtype) -> torch.Tensor:
+    """The full parameter from every rank's shard (padding dropped), in dtype."""
+    world = dist.get_world_size()
+    # YOUR CODE HERE
+    raise NotImplementedError("allocate world * shard.numel() elements, ALL_GATHER the shard (cast to dtype), drop the padding")
+
+
+class _GatherParam(torch.autograd.Function):
+    """Forward: the full parameter from the shards. Backward: start a reduce-scatter of its gradient."""
+
+    @staticmethod
+    def forward(ctx, shard, fsdp, index):
+        ctx.fsdp, ctx.index = fsdp, index
+        return _gather(shard, *fsdp._meta[index], fsdp.compute_dtype or shard.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        ctx.fsdp._reduce_scatter(ctx.index, grad_full)
+        return None, None, None  # the shard's gradient is set in finish_gradient_synchronization
+
+
+class FSDP(nn.Module):
+    """Every parameter sharded over the ranks; gathered just in time, freed after use; gradients reduce-scattered."""
+
+    def __init__(self, module: nn.Module, compute_dtype=None):
+        super().__init__()
+        self.module, self.compute_dtype = module, compute_dtype
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.shards = nn.ParameterList()  # the fp32 shards: what the optimizer steps
+        self.names: list[str] = []        # name of each shard's parameter
+        self._meta: list[tuple[int, torch.Size]] = []  # (numel, shape) of each full parameter
+        self._pending = []                # (index, reduced shard gradient, work handle) until finish
+        self._live: dict[int, int] = {}  # storage pointer of a gathered (live) full parameter -> its index
+        # YOUR CODE HERE
+        raise NotImplementedError("broadcast from rank 0; for each parameter make a padded flat shard, remove the parameter from its module, and register forward pre/post hooks on the modules that own parameters")
+
+    # --- forward: gather just in time, free after ------------------------------------------------------
+    def _gather_for(self, sub, args):
+        """Set the full parameters of `sub` as plain attributes (what its forward reads)."""
+        # YOUR CODE HERE
+        raise NotImplementedError("for each owned (name, index): full = _GatherParam.apply(shard, self, index); remember its storage; setattr")
+
+    def _free_after(self, sub, args, output):
+        """Drop every reference to the full parameters of `sub`: their memory is freed."""
+        # YOUR CODE HERE
+        raise NotImplementedError("delete the attributes and forget their storages")
+
+    def _pack(self, tensor):
+        """Autograd wants to save `tensor` for backward: a gathered parameter is saved as a recipe instead."""
+        # YOUR CODE HERE
+        raise NotImplementedError("if the tensor's storage is a live gathered parameter, return (index, size, stride, offset)")
+
+    def _unpack(self, packed):
+        """Backward needs a saved tensor back: gather a parameter again (it is freed after use)."""
+        # YOUR CODE HERE
+        raise NotImplementedError("gather the parameter again and rebuild the saved view with torch.as_strided")
+
+    def forward(self, *args, **kwargs):
+        cast = (lambda t: t.to(self.compute_dtype) if torch.is_floating_point(t) else t) if self.compute_dtype \
+            else (lambda t: t)
+        args = [cast(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            out = self.module(*args, **kwargs)
+        if self.compute_dtype and isinstance(out, torch.Tensor) and torch.is_floating_point(out):
+            out = out.float()
+        return out
+
+    # --- backward: reduce-scatter -----------------------------------------------------------------------
+    def _reduce_scatter(self, index: int, grad_full: torch.Tensor) -> None:
+        """Start the reduce-scatter of one full gradient (fp32, padded); finish_gradient_synchronization waits."""
+        # YOUR CODE HERE
+        raise NotImplementedError("pad the flat fp32 gradient to world * shard size, REDUCE_SCATTER into a new shard-size tensor (async), remember it")
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every reduce-scatter and leave the averaged gradient of each shard in shard.grad."""
+        # YOUR CODE HERE
+        raise NotImplementedError("wait, divide by the world size, accumulate into shard.grad (a tied parameter has several)")
+
+    @torch.no_grad()
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """{name: full fp32 parameter}: every rank gets the whole model (e.g. to save or compare it)."""
+        # YOUR CODE HERE
+        raise NotImplementedError("_gather every shard in float32")

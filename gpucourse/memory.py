@@ -1,0 +1,178 @@
+"""Chapter 07's memory calculator: model-state memory per device under ZeRO stages 0-3, and what offload moves.
+
+    from gpucourse.memory import memory_calculator, model_states
+    memory_calculator()                                   # sliders: parameters, world size, stage, optimizer, ...
+    model_states(7.5e9, 64, stage=2)                      # the numbers behind it, per device, in bytes
+
+`model_states` splits `costs.zero_memory_bytes` into its three parts — parameters, gradients, optimizer states
+(for mixed precision the fp32 master copy counts as optimizer state, as in the ZeRO paper) — and adds what
+offload keeps in CPU memory and the bytes each rank communicates per step (`costs.zero_comm_volume`).
+Activations, temporary buffers and fragmentation are not modelled: they come on top.
+
+The widget draws into an Output by setting its outputs (no `with out:`), so it works the same in JupyterLab,
+under papermill and in plain Python (tests).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+from matplotlib.figure import Figure
+
+from . import costs
+
+PARTS = ("parameters", "gradients", "optimizer states")
+STAGE_NAMES = {0: "DDP (no sharding)", 1: "ZeRO-1: optimizer states", 2: "ZeRO-2: + gradients",
+               3: "ZeRO-3 / FSDP: + parameters"}
+OPTIMIZER_LABELS = {"adam": "Adam / AdamW (m, v)", "sgd_momentum": "SGD with momentum", "sgd": "plain SGD"}
+PRECISION_LABELS = {"mixed": "bf16/fp16 + fp32 master", "fp32": "fp32"}
+WORLD_SIZES = [2**k for k in range(14)]  # 1 ... 8192
+
+
+def model_states(num_params, world_size, stage, *, optimizer="adam", precision="mixed", offload=False) -> dict:
+    """Bytes per device of each model state under a ZeRO stage, and what offload keeps in CPU memory.
+
+    Returns {"parameters", "gradients", "optimizer states", "total"} (device bytes per rank: total ==
+    costs.zero_memory_bytes), "cpu" (bytes per rank held in CPU memory by offload), "bytes_per_param" (the
+    per-element sizes used) and "comm" (bytes each rank sends and receives per step, ZeRO paper's count).
+    Stage s shards the first s of (optimizer states, gradients, parameters) over world_size ranks.
+    """
+    if isinstance(num_params, bool) or not isinstance(num_params, numbers.Real) or not 0 <= num_params < math.inf:
+        raise ValueError(f"num_params must be a number >= 0 (the model's parameter count, e.g. 7.5e9), "
+                         f"got {num_params!r}")
+    if not isinstance(world_size, numbers.Integral) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number >= 1 (data-parallel ranks), got {world_size!r}")
+    sizes = costs.state_bytes_per_param(optimizer, precision)  # validates optimizer and precision
+    total = costs.zero_memory_bytes(num_params, world_size, stage, offload=offload, **sizes)  # validates stage
+    P, G, O = sizes["param_bytes"], sizes["grad_bytes"], sizes["optimizer_bytes"]
+    n = world_size
+    params = num_params * P / (n if stage >= 3 else 1)
+    grads = num_params * G / (n if stage >= 2 else 1)
+    optim = num_params * O / (n if stage >= 1 else 1)
+    cpu = 0.0
+    if offload:  # ZeRO-Offload: the optimizer shard (and from stage 2 the gradient shard) live in CPU memory
+        cpu, optim = optim, 0.0
+        if stage >= 2:
+            cpu, grads = cpu + grads, 0.0
+    return {"parameters": params, "gradients": grads, "optimizer states": optim, "total": total, "cpu": cpu,
+            "bytes_per_param": sizes, "comm": costs.zero_comm_volume(num_params, stage, bytes_per_elem=P)}
+
+
+def largest_model(device_bytes, world_size, stage, **kwargs) -> float:
+    """The most parameters whose model states fit in device_bytes per device (activations not counted)."""
+    if not device_bytes > 0:
+        raise ValueError(f"device_bytes must be > 0 (memory per device, e.g. 80e9), got {device_bytes!r}")
+    per_param = model_states(1, world_size, stage, **kwargs)["total"]
+    return math.inf if per_param == 0 else device_bytes / per_param
+
+
+def gb(num_bytes) -> str:
+    """'31.4 GB' (decimal GB, as the ZeRO paper), '512 MB', '1.2 kB'."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.3g} {unit}"
+    return f"{num_bytes:.3g} B"
+
+
+def stages_table(num_params, world_size, **kwargs) -> list[dict]:
+    """model_states for stages 0-3 (offload only where it applies: stages 1-3)."""
+    offload = kwargs.pop("offload", False)
+    return [{"stage": s, **model_states(num_params, world_size, s, offload=offload and s >= 1, **kwargs)}
+            for s in range(4)]
+
+
+def stages_plot(rows, *, title="", device_bytes=None):
+    """Stacked bars of device memory per stage (parameters, gradients, optimizer states), offload in hatching."""
+    fig = Figure(figsize=(8.5, 3.8), layout="constrained")
+    ax = fig.subplots()
+    labels = [STAGE_NAMES[r["stage"]] for r in rows]
+    bottom = [0.0] * len(rows)
+    for i, part in enumerate(PARTS):
+        values = [r[part] / 1e9 for r in rows]
+        ax.barh(labels, values, left=bottom, color=f"C{i}", label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if any(r["cpu"] for r in rows):
+        ax.barh(labels, [r["cpu"] / 1e9 for r in rows], left=bottom, color="none", edgecolor="0.4", hatch="//",
+                label="in CPU memory (offload)")
+    for y, r in enumerate(rows):
+        ax.text(r["total"] / 1e9, y, f"  {gb(r['total'])}", va="center", fontsize=8)
+    if device_bytes:
+        ax.axvline(device_bytes / 1e9, color="k", ls=":", lw=1, label=f"device memory {gb(device_bytes)}")
+    ax.invert_yaxis()
+    ax.set(xlabel="GB per device (model states only; activations come on top)")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title, fontsize=9)
+    return fig
+
+
+class MemoryCalculator:
+    """Controls for model_states; shows every stage side by side, the chosen one described in words."""
+
+    def __init__(self, num_params=7.5e9, world_size=64, stage=3, optimizer="adam", precision="mixed",
+                 offload=False, device_gb=80):
+        import ipywidgets as w
+
+        style, wide = {"description_width": "150px"}, w.Layout(width="560px")
+        self.params = w.FloatLogSlider(value=num_params, base=10, min=6, max=12, description="parameters",
+                                       readout_format=".3g", style=style, layout=wide)
+        self.world = w.SelectionSlider(options=WORLD_SIZES, value=world_size, description="world size (GPUs)",
+                                       style=style, layout=wide)
+        self.stage = w.ToggleButtons(options=[(f"stage {s}", s) for s in range(4)], value=stage,
+                                     description="ZeRO stage", style=style)
+        self.optimizer = w.Dropdown(options=[(v, k) for k, v in OPTIMIZER_LABELS.items()], value=optimizer,
+                                    description="optimizer", style=style)
+        self.precision = w.Dropdown(options=[(v, k) for k, v in PRECISION_LABELS.items()], value=precision,
+                                    description="precision", style=style)
+        self.offload = w.Checkbox(value=offload, description="offload to CPU (ZeRO-Offload)", style=style)
+        self.device_gb = w.BoundedFloatText(value=device_gb, min=1, max=10_000, description="GB per device",
+                                            style=style)
+        self.summary = w.HTML()
+        self.out = w.Output()
+        self.controls = [self.params, self.world, self.stage, self.optimizer, self.precision, self.offload,
+                         self.device_gb]
+        self.widget = w.VBox([*self.controls, self.summary, self.out])
+        self.rows, self.figure = [], None
+        for control in self.controls:
+            control.observe(lambda _: self.update(), names="value")
+        self.update()
+
+    def settings(self) -> dict:
+        return {"optimizer": self.optimizer.value, "precision": self.precision.value, "offload": self.offload.value}
+
+    def update(self) -> None:
+        from .widgets import _show
+
+        psi, n = self.params.value, self.world.value
+        self.rows = stages_table(psi, n, **self.settings())
+        per = self.rows[0]["bytes_per_param"]
+        self.figure = stages_plot(
+            self.rows, device_bytes=self.device_gb.value * 1e9,
+            title=(f"Model states per device: {psi:.3g} parameters on {n} GPUs, "
+                   f"{OPTIMIZER_LABELS[self.optimizer.value]}, {PRECISION_LABELS[self.precision.value]} "
+                   f"({per['param_bytes']} + {per['grad_bytes']} + {per['optimizer_bytes']} bytes/parameter)"))
+        self.summary.value = self.describe()
+        _show(self.out, [self.figure])
+
+    def describe(self) -> str:
+        """The chosen stage in one paragraph (HTML): memory, whether it fits, the largest model, communication."""
+        row = self.rows[self.stage.value]
+        device = self.device_gb.value * 1e9
+        fits = "fits" if row["total"] <= device else "does <b>not</b> fit"
+        biggest = largest_model(device, self.world.value, self.stage.value,
+                                **{**self.settings(), "offload": self.offload.value and self.stage.value >= 1})
+        offload = f"; {gb(row['cpu'])} per rank in CPU memory" if row["cpu"] else ""
+        if self.offload.value and self.stage.value == 0:
+            offload = " (offload needs stage ≥ 1: ignored)"
+        return (f"<b>{STAGE_NAMES[self.stage.value]}</b>: {gb(row['total'])} per device "
+                f"({', '.join(f'{p} {gb(row[p])}' for p in PARTS)}){offload} — {fits} in {gb(device)} before "
+                f"activations. Largest model whose states fit: <b>{biggest:.3g}</b> parameters. "
+                f"Communication per step: {gb(row['comm'])} per rank"
+                f"{' (1.5× data parallel)' if self.stage.value == 3 else ' (as data parallel)'}.")
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+def memory_calculator(**kwargs) -> MemoryCalculator:
+    """The chapter 07 memory calculator (keyword arguments: starting values, see MemoryCalculator)."""
+    return MemoryCalculator(**kwargs)

@@ -1,0 +1,125 @@
+"""Chapter 07's memory calculator: per-device model-state bytes against the ZeRO paper and hand-computed
+formulas, per optimizer and precision; offload; the widget built headless and redrawn on a control change.
+
+Expected values are written out as arithmetic, never computed with the function under test.
+"""
+import pytest
+
+from gpucourse import costs
+from gpucourse.memory import PARTS, gb, largest_model, memory_calculator, model_states, stages_table
+
+PSI, N = 7.5e9, 64  # the ZeRO paper's example: 7.5B parameters on 64 GPUs, mixed-precision Adam (K = 12)
+
+
+@pytest.mark.parametrize("stage, paper_gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_paper_table(stage, paper_gb):
+    assert abs(model_states(PSI, N, stage)["total"] / 1e9 - paper_gb) <= 0.05
+
+
+def test_parts_by_hand_for_mixed_precision_adam():
+    # 2 B params, 2 B grads, 12 B optimizer (fp32 master 4 + m 4 + v 4); stage s shards the first s of (O, G, P)
+    s1 = model_states(PSI, N, 1)
+    assert (s1["parameters"], s1["gradients"], s1["optimizer states"]) == pytest.approx(
+        (2 * 7.5e9, 2 * 7.5e9, 12 * 7.5e9 / 64))
+    s2 = model_states(PSI, N, 2)
+    assert (s2["parameters"], s2["gradients"], s2["optimizer states"]) == pytest.approx(
+        (15e9, 2 * 7.5e9 / 64, 12 * 7.5e9 / 64))
+    s3 = model_states(PSI, N, 3)
+    assert (s3["parameters"], s3["gradients"], s3["optimizer states"]) == pytest.approx(
+        (15e9 / 64, 15e9 / 64, 90e9 / 64))
+    for stage in range(4):
+        row = model_states(PSI, N, stage)
+        assert sum(row[p] for p in PARTS) == pytest.approx(row["total"])
+        assert row["total"] == pytest.approx(costs.zero_memory_bytes(PSI, N, stage))
+
+
+@pytest.mark.parametrize("optimizer, precision, per_param", [
+    ("adam", "fp32", (4, 4, 8)),            # fp32 params are the master copy: m and v only
+    ("sgd_momentum", "fp32", (4, 4, 4)),    # one momentum buffer
+    ("sgd", "fp32", (4, 4, 0)),
+    ("sgd_momentum", "mixed", (2, 2, 8)),   # fp32 master 4 + momentum 4
+    ("adamw", "mixed", (2, 2, 12)),
+])
+def test_bytes_per_param_by_optimizer_and_precision(optimizer, precision, per_param):
+    p, g, o = per_param
+    psi, n = 1e6, 4
+    assert costs.state_bytes_per_param(optimizer, precision) == {"param_bytes": p, "grad_bytes": g,
+                                                                 "optimizer_bytes": o}
+    assert model_states(psi, n, 0, optimizer=optimizer, precision=precision)["total"] == pytest.approx(
+        (p + g + o) * 1e6)
+    assert model_states(psi, n, 1, optimizer=optimizer, precision=precision)["total"] == pytest.approx(
+        (p + g) * 1e6 + o * 1e6 / 4)
+    assert model_states(psi, n, 3, optimizer=optimizer, precision=precision)["total"] == pytest.approx(
+        (p + g + o) * 1e6 / 4)
+
+
+def test_offload_moves_optimizer_then_gradients_to_cpu():
+    psi, n = 1e9, 8
+    s1 = model_states(psi, n, 1, offload=True)
+    assert s1["optimizer states"] == 0 and s1["cpu"] == pytest.approx(12e9 / 8)
+    assert s1["total"] == pytest.approx(4e9)  # fp16 params + grads stay on the GPU
+    s2 = model_states(psi, n, 2, offload=True)
+    assert s2["gradients"] == 0 and s2["cpu"] == pytest.approx(14e9 / 8) and s2["total"] == pytest.approx(2e9)
+    s3 = model_states(psi, n, 3, offload=True)
+    assert s3["total"] == pytest.approx(2e9 / 8) and s3["cpu"] == pytest.approx(14e9 / 8)
+    # the bytes are moved, not lost: device + CPU = the stage's memory without offload
+    for stage in (1, 2, 3):
+        on, off = model_states(psi, n, stage, offload=True), model_states(psi, n, stage)
+        assert on["total"] + on["cpu"] == pytest.approx(off["total"])
+
+
+def test_communication_stage3_is_one_and_a_half_times_data_parallel():
+    vols = [model_states(1e9, 8, s)["comm"] for s in range(4)]
+    assert vols[0] == vols[1] == vols[2] == pytest.approx(2 * 1e9 * 2)   # 2Ψ elements of 2 bytes
+    assert vols[3] == pytest.approx(1.5 * vols[0])
+    assert model_states(1e9, 8, 0, precision="fp32")["comm"] == pytest.approx(2 * 1e9 * 4)
+
+
+def test_largest_model_inverts_the_formula():
+    # stage 3, 64 GPUs, 16 B/param / 64 = 0.25 B/param per GPU: 80 GB holds 320e9 parameters
+    assert largest_model(80e9, 64, 3) == pytest.approx(320e9)
+    # stage 0: 16 B/param on every GPU whatever N: 5e9
+    assert largest_model(80e9, 1024, 0) == pytest.approx(5e9)
+
+
+def test_stages_table_ignores_offload_at_stage_0():
+    rows = stages_table(1e9, 8, offload=True)
+    assert [r["stage"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["cpu"] == 0 and rows[0]["total"] == pytest.approx(16e9)
+    assert rows[1]["cpu"] > 0
+
+
+def test_gb_formatting():
+    assert gb(31.40625e9) == "31.4 GB"
+    assert gb(1.875e9) == "1.88 GB"
+    assert gb(512e6) == "512 MB"
+    assert gb(12) == "12 B"
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: model_states(-1, 8, 1), "num_params"),
+    (lambda: model_states(1e9, 0, 1), "world_size"),
+    (lambda: model_states(1e9, 8, 4), "stage"),
+    (lambda: model_states(1e9, 8, 1, optimizer="lion"), "optimizer"),
+    (lambda: model_states(1e9, 8, 1, precision="fp8"), "precision"),
+    (lambda: model_states(1e9, 8, 0, offload=True), "offload"),
+    (lambda: largest_model(0, 8, 1), "device_bytes"),
+])
+def test_bad_input_names_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_widget_builds_and_redraws():
+    calc = memory_calculator()
+    assert "application/vnd.jupyter.widget-view+json" in calc._repr_mimebundle_()
+    assert "ZeRO-3" in calc.summary.value and "1.88 GB" in calc.summary.value  # 7.5e9 on 64, stage 3
+    assert len(calc.out.outputs) == 1  # one figure
+    calc.stage.value = 1
+    assert "ZeRO-1" in calc.summary.value and "31.4 GB" in calc.summary.value
+    calc.device_gb.value = 16
+    assert "does <b>not</b> fit" in calc.summary.value
+    calc.offload.value = True
+    assert "in CPU memory" in calc.summary.value
+    calc.stage.value = 0
+    assert "ignored" in calc.summary.value

@@ -1,0 +1,136 @@
+"""Grader of ex06: column- and row-parallel linear layers and the Megatron MLP (run it with `gpucourse grade ex06`).
+
+One real job per world size (1, 2 and 4 ranks, through gpucourse.launch; ex06_job.py), side by side. Every
+rank loads the same dense nn.Linear weights into the submission's layers (from_dense) and compares its
+outputs and gradients with the dense layers' (or the matching slices). What is checked:
+- ColumnParallelLinear (gather_output False/True) and RowParallelLinear (input_is_parallel True/False), with
+  and without bias: output, input gradient, weight-shard and bias gradients;
+- the row-parallel bias is added once, after the reduction;
+- ParallelMLP equals nn.Sequential(fc1, GELU, fc2), and starts exactly one all_reduce (of the activations)
+  in forward and one in backward, and no other collective (2 and 4 ranks; every torch.distributed
+  collective is recorded);
+- sizes the group does not divide raise ValueError naming both sizes;
+- 4 ranks as two tensor-parallel groups of 2: the layers use their group, not the whole world.
+"""
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from gpucourse.launcher import launch
+
+from .job_records import JobRecords
+
+pytestmark = pytest.mark.grader
+
+JOB = Path(__file__).with_name("ex06_job.py")
+WORLD_SIZES = (1, 2, 4)
+CASE_LIMIT_S = 20
+JOB_TIMEOUT_S = 150
+
+
+@pytest.fixture(scope="module")
+def jobs(submission) -> dict[int, JobRecords]:
+    """{world size: JobRecords}: the three jobs run side by side (their start-up waits overlap)."""
+
+    def run(world: int) -> JobRecords:
+        result = launch(JOB, nproc=world, args=[str(submission), "--case-limit", str(CASE_LIMIT_S)],
+                        name=f"grade-ex06-w{world}", timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S,
+                        env={"OMP_NUM_THREADS": "1"}, check=False, live=False)
+        return JobRecords(result, world)
+
+    with ThreadPoolExecutor(len(WORLD_SIZES)) as pool:
+        return dict(zip(WORLD_SIZES, pool.map(run, WORLD_SIZES)))
+
+
+# --- what makes one rank's record of a case wrong (None when it is right) ---------------------------
+def equal_problem(rec) -> str | None:
+    return rec["mismatches"][0] if rec["mismatches"] else None
+
+
+def collectives_problem(rec) -> str | None:
+    """Exactly one all_reduce of the activations in forward, one in backward, nothing else."""
+    if rec["mismatches"]:
+        return rec["mismatches"][0]
+    size = rec["activation_bytes"]
+    for phase in ("forward", "backward"):
+        calls = [c for c in rec["calls"] if c["phase"] == phase]
+        ops = ", ".join(f"{c['op']} ({c['bytes']} B)" for c in calls) or "none"
+        if len(calls) != 1 or calls[0]["op"] != "all_reduce":
+            what = "the output of fc2 (g)" if phase == "forward" else "the input gradient (f)"
+            return (f"ParallelMLP's {phase} started {len(calls)} collective(s): {ops}; expected exactly one "
+                    f"all_reduce, of {what}")
+        if calls[0]["bytes"] != size:
+            return (f"ParallelMLP's {phase} all_reduce moved a {calls[0]['bytes']}-byte tensor; expected the "
+                    f"activations, batch × seq × hidden × 4 = {size} bytes")
+    return None
+
+
+def check(jobs, group: str, problem, worlds=WORLD_SIZES) -> None:
+    """Fail with the first failing case and rank (one line, a rank that raised before one that was stopped)."""
+    failures = []
+    for world in worlds:
+        job = jobs[world]
+        for case in job.cases(group):
+            found = []
+            for rec in job.ranks(case):
+                why = rec.get("error") or problem(rec)
+                if why:
+                    found.append((bool(rec.get("peer_lost")), rec.get("rank", 0), why))
+            if found:
+                _, rank, why = min(found)
+                failures.append(f"{world} rank(s), case {case}, rank {rank}: {why}")
+    if failures:
+        more = f" (and {len(failures) - 1} more failing case(s))" if len(failures) > 1 else ""
+        pytest.fail(failures[0] + more, pytrace=False)
+
+
+# --- the tests ------------------------------------------------------------------------------------
+@pytest.mark.points(2)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_column_parallel_equals_dense(jobs, world):
+    """Output (split or gathered), x.grad, and the weight/bias shards' gradients equal the dense layer's slices."""
+    check(jobs, "column", equal_problem, [world])
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_row_parallel_equals_dense(jobs, world):
+    """Input split or full: output on every rank, x.grad (slice or full), weight-column and bias gradients."""
+    check(jobs, "row", equal_problem, [world])
+
+
+@pytest.mark.points(2)
+def test_row_parallel_bias_added_once(jobs):
+    """Zero weights: the output is the bias itself, not world size × bias (added after the all-reduce)."""
+    check(jobs, "bias-once", equal_problem)
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_parallel_mlp_equals_dense(jobs, world):
+    """ParallelMLP.from_dense(fc1, fc2): output, x.grad and every shard's gradient equal the dense MLP's."""
+    check(jobs, "mlp", equal_problem, [world])
+
+
+@pytest.mark.points(3)
+def test_parallel_mlp_one_all_reduce_forward_one_backward(jobs):
+    """2 and 4 ranks: forward starts one all_reduce of batch×seq×hidden floats, backward one, nothing else."""
+    check(jobs, "mlp", collectives_problem, [2, 4])
+
+
+@pytest.mark.points(1)
+def test_sizes_not_divisible_raise_value_error(jobs):
+    """ColumnParallelLinear(8, 5) on 2 ranks (and the row/MLP cases): ValueError naming 5 and 2."""
+    check(jobs, "divisible", equal_problem, [2, 4])
+
+
+@pytest.mark.points(2)
+def test_layers_use_their_process_group(jobs):
+    """4 ranks as two tensor-parallel groups of 2 (group=...): each group's MLP equals its dense MLP."""
+    def problem(rec):
+        why = collectives_problem(rec)
+        return why and (f"{why} — with group=..., use that group's size and rank (dist.get_world_size(group), "
+                        f"dist.get_rank(group)) and pass group= to every collective")
+
+    check(jobs, "groups", problem, [4])

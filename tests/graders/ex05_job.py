@@ -1,0 +1,237 @@
+"""The grading job of ex05 (GPipe step): every case for this job's number of stages, in one launch.
+
+    ex05_job.py SUBMISSION.py [--case-limit SECONDS]
+
+test_ex05_gpipe.py launches it through gpucourse.launch on 2 and 4 ranks (one stage per rank). Every rank
+builds the same model from the same seed, keeps its own slice of it as its stage, and also runs the whole
+model by itself on the full batch: the reference. It logs one record per case with runtime.log, e.g.
+
+    {"case": "equiv-p2-m4", "group": "equiv", "error": None, "max_grad_diff": 3e-9, "grad_scale": 0.4,
+     "loss": 0.81, "ref_loss": 0.81, "returned": "tensor", "forward_calls": 4, "forward_times": [[t0, t1], ...],
+     "collectives": [], "p2p_calls": 16}
+
+Cases: equivalence with the unsplit model for several micro-batch counts (2-d and 3-d activations of
+changing widths), an overlap case whose stages sleep a known time per micro-batch (the tests compare the
+stages' forward times across ranks), and invalid arguments (last: a submission that does not reject them
+may hang, and the watchdog then ends the rank). The submission runs under guard: every collective of
+torch.distributed it calls is recorded (and still runs, so that a rank does not hang waiting for the others),
+point-to-point calls are counted, its output is capped, and a watchdog ends the rank, after logging why,
+when a case runs longer than --case-limit.
+"""
+import argparse
+import contextlib
+import copy
+import functools
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import jobkit  # beside this script: what every grading job shares
+from gpucourse import runtime
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+               "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+               "all_to_all_single", "barrier", "monitored_barrier", "gather", "gather_object", "scatter",
+               "scatter_object_list", "all_reduce_coalesced")
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+SLEEP_S = 0.03  # per micro-batch forward in the overlap cases: long against the cost of a send
+SUBMISSION = [""]
+
+
+# --- the guard ------------------------------------------------------------------------------------
+class Guard:
+    """Records the collectives and counts the point-to-point calls the submission makes."""
+
+    def __init__(self):
+        self.active, self.depth = False, 0
+        self.collectives: list[str] = []
+        self.p2p = 0
+        self.output = jobkit.CappedOutput()
+
+    def install(self) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        for module in (dist, c10d):
+            for name in COLLECTIVES + POINT_TO_POINT:
+                if hasattr(module, name):
+                    setattr(module, name, self._recorder(getattr(module, name), name))
+
+    def _recorder(self, fn, name):
+        if getattr(fn, "_ex05_wrapped", False):  # dist and c10d share some function objects
+            return fn
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if self.active and self.depth == 0:  # the outermost call only
+                if name in COLLECTIVES:
+                    self.collectives.append(f"dist.{name}")
+                else:
+                    self.p2p += 1
+            self.depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+
+        wrapper._ex05_wrapped = True
+        return wrapper
+
+    @contextlib.contextmanager
+    def watching(self):
+        self.collectives, self.p2p, self.active = [], 0, True
+        try:
+            with self.output.capturing():
+                yield self
+        finally:
+            self.active = False
+
+
+def one_line(err: BaseException) -> str:
+    return jobkit.one_line(err, SUBMISSION[0])
+
+
+# --- the models -------------------------------------------------------------------------------------
+class Sleepy(nn.Module):
+    """A layer that also sleeps a known time: stage compute long enough to see overlap on a loaded machine."""
+
+    def __init__(self, inner: nn.Module, seconds: float):
+        super().__init__()
+        self.inner, self.seconds = inner, seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return self.inner(x)
+
+
+def make_model(n_stages: int, first_width: int = 12, out_width: int = 5) -> list[nn.Module]:
+    """n_stages blocks of two Linear+Tanh layers; the widths change from stage to stage, so every stage sends
+    and receives activations of its own shape."""
+    widths = [first_width] + [16 + 4 * (i % 3) for i in range(2 * n_stages - 1)] + [out_width]
+    layers = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(widths, widths[1:])]
+    return [nn.Sequential(*layers[2 * s:2 * s + 2]) for s in range(n_stages)]
+
+
+def watch_forward(stage: nn.Module) -> list[list[float]]:
+    """[[start, end], ...] wall-clock times of every call of stage's forward (comparable across ranks)."""
+    times: list[list[float]] = []
+    stage.register_forward_pre_hook(lambda module, args: times.append([time.time(), None]))
+
+    def done(module, args, output):
+        times[-1][1] = time.time()
+
+    stage.register_forward_hook(done)
+    return times
+
+
+def data(batch: int, seq: int | None, in_width: int = 12, out_width: int = 5):
+    gen = torch.Generator().manual_seed(7)
+    shape = (batch,) if seq is None else (batch, seq)
+    return torch.randn(*shape, in_width, generator=gen), torch.randn(*shape, out_width, generator=gen)
+
+
+# --- the cases ---------------------------------------------------------------------------------------
+def case_equiv(gpipe_step, guard, batch, n_micro, seq=None, sleep=0.0):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(11)
+    blocks = make_model(world)
+    reference = nn.Sequential(*copy.deepcopy(blocks))
+    stage = Sleepy(blocks[rank], sleep) if sleep else blocks[rank]
+    times = watch_forward(stage)
+    x, y = data(batch, seq)
+    loss_fn = nn.MSELoss()
+    ref_loss = loss_fn(reference(x), y)
+    ref_loss.backward()  # the unsplit model, on the full batch, in this process
+    first, last = rank == 0, rank == world - 1
+    with guard.watching():
+        out = gpipe_step(stage, x if first else None, y if last else None, loss_fn, n_micro)
+    mine, ref = list(blocks[rank].parameters()), list(reference[rank].parameters())
+    missing = sum(p.grad is None for p in mine)
+    diffs = [(p.grad - r.grad).abs().max().item() for p, r in zip(mine, ref) if p.grad is not None]
+    scales = [(p.grad.norm() / r.grad.norm()).item() for p, r in zip(mine, ref) if p.grad is not None]
+    returned = "None" if out is None else "tensor" if isinstance(out, torch.Tensor) else type(out).__name__
+    loss = float(out) if returned in ("tensor", "float") and (not isinstance(out, torch.Tensor) or out.numel() == 1) \
+        else None
+    return {"max_grad_diff": max(diffs) if diffs else None, "missing_grads": missing,
+            "grad_scale": sum(scales) / len(scales) if scales else None, "returned": returned, "loss": loss,
+            "ref_loss": ref_loss.item(), "forward_calls": len(times), "forward_times": times, "n_micro": n_micro,
+            "batch": batch, "collectives": guard.collectives, "p2p_calls": guard.p2p, "world": world}
+
+
+def case_invalid(gpipe_step, guard, batch, n_micro):
+    """Arguments to reject: which exception each rank raised (None: it returned)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(11)
+    stage = make_model(world)[rank]
+    x, y = data(batch, None)
+    raised = None
+    with guard.watching():
+        try:
+            gpipe_step(stage, x if rank == 0 else None, y if rank == world - 1 else None, nn.MSELoss(), n_micro)
+        except Exception as err:  # noqa: BLE001 - which exception it is, is what this case records
+            raised = {"type": type(err).__name__, "value_error": isinstance(err, ValueError), "line": one_line(err)}
+    return {"raised": raised, "batch": batch, "n_micro": n_micro, "collectives": guard.collectives,
+            "holds_data": rank in (0, world - 1)}
+
+
+def plan(world: int) -> list[tuple[str, str, object]]:
+    """(case, group, function of (gpipe_step, guard)) in the order they run."""
+    p = functools.partial
+    cases = [(f"equiv-p{world}-m1", "equiv", p(case_equiv, batch=8, n_micro=1)),
+             (f"equiv-p{world}-m4", "equiv", p(case_equiv, batch=8, n_micro=4)),
+             (f"equiv-p{world}-m3-3d", "equiv", p(case_equiv, batch=6, n_micro=3, seq=3)),
+             (f"overlap-p{world}-m4", "overlap", p(case_equiv, batch=8, n_micro=4, sleep=SLEEP_S))]
+    if world == 4:
+        cases.insert(3, (f"equiv-p{world}-m8", "equiv", p(case_equiv, batch=16, n_micro=8)))
+    if world == 2:  # invalid arguments last: a submission that ignores them may hang until the watchdog
+        cases += [("invalid-n_micro-0", "invalid", p(case_invalid, batch=8, n_micro=0)),
+                  ("invalid-batch-6-m4", "invalid", p(case_invalid, batch=6, n_micro=4))]
+    return cases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("submission")
+    parser.add_argument("--case-limit", type=float, default=15.0)
+    args = parser.parse_args()
+    SUBMISSION[0] = os.path.abspath(args.submission)
+    ctx = runtime.setup(seed=0, seed_per_rank=False)
+    torch.set_num_threads(1)
+    # The first `tensor.backward(gradient)` of a process imports sympy (seconds on a loaded machine): pay for it
+    # here, not inside the first case's time limit (and not as a stall of every stage waiting for the next).
+    torch.ones(2, requires_grad=True).mul(2).backward(torch.ones(2))
+    guard, watchdog = Guard(), jobkit.Watchdog(
+        "a deadlock (a recv no rank sends to, or two ranks both waiting in send/recv for each other), an endless "
+        "loop, or far too slow")
+    guard.install()
+    cases = plan(ctx.world_size)
+    runtime.log(case="plan", cases={case: group for case, group, _ in cases})
+
+    with watchdog.case_limit("import", "import", args.case_limit):
+        try:
+            with guard.watching():
+                module = jobkit.load_submission(args.submission, "ex05")
+            gpipe_step = getattr(module, "gpipe_step", None)
+            if not callable(gpipe_step):
+                raise AttributeError(f"{os.path.basename(args.submission)} defines no gpipe_step")
+        except BaseException as err:  # noqa: BLE001 - a broken submission is graded, not a grader crash
+            runtime.log(case="import", group="import", error=one_line(err))
+            runtime.teardown()
+            sys.exit(1)
+
+    for case, group, run in cases:
+        with watchdog.case_limit(case, group, args.case_limit):
+            try:
+                record = {"error": None, **run(gpipe_step, guard)}
+            except BaseException as err:  # noqa: BLE001 - SystemExit and friends are the submission's bugs too
+                record = {"error": one_line(err), "collectives": guard.collectives}
+            runtime.log(case=case, group=group, **record)
+    runtime.log(case="done")
+    runtime.teardown()
+
+
+if __name__ == "__main__":
+    main()

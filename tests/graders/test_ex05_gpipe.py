@@ -1,0 +1,180 @@
+"""Grader of ex05: one GPipe step over p stage processes (run it with `gpucourse grade ex05`).
+
+Two real jobs side by side (2 and 4 ranks, one stage per rank, through gpucourse.launch; ex05_job.py) run
+every case on the submission; the tests below read their records. What is checked:
+- every stage's gradients, and the loss returned by the last rank, equal the unsplit model's on the full
+  batch (mean loss), for (p, m) = (2, 1), (2, 4), (2, 3) with 3-d activations, (4, 1), (4, 4), (4, 3), (4, 8);
+  the other ranks return None;
+- the stage's forward runs once per micro-batch, and the micro-batches are really pipelined: with stages
+  that take a known time per micro-batch, stage s+1 starts micro-batch 0 before stage s ends its last one;
+- n_micro < 1, and a batch not divisible by n_micro, raise ValueError;
+- only point-to-point communication: no torch.distributed collective is called, and send/recv are.
+"""
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from gpucourse.launcher import launch
+
+from .job_records import JobRecords
+
+pytestmark = pytest.mark.grader
+
+JOB = Path(__file__).with_name("ex05_job.py")
+WORLD_SIZES = (2, 4)
+CASE_LIMIT_S = 20
+JOB_TIMEOUT_S = 180
+TOLERANCE = 1e-5  # float32; the reference reaches ~1e-8
+
+
+@pytest.fixture(scope="module")
+def jobs(submission) -> dict[int, JobRecords]:
+    """{number of stages: JobRecords}: the two jobs run side by side (their start-up waits overlap)."""
+
+    def run(world: int) -> JobRecords:
+        result = launch(JOB, nproc=world, args=[str(submission), "--case-limit", str(CASE_LIMIT_S)],
+                        name=f"grade-ex05-p{world}", timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S,
+                        env={"OMP_NUM_THREADS": "1"}, check=False, live=False)
+        return JobRecords(result, world)
+
+    with ThreadPoolExecutor(len(WORLD_SIZES)) as pool:
+        return dict(zip(WORLD_SIZES, pool.map(run, WORLD_SIZES)))
+
+
+def check(job: JobRecords, cases: list[str], problem) -> None:
+    """Fail with the first failing case (one line, its most telling rank), counting the others."""
+    failures = []
+    for case in cases:
+        found = []
+        for rec in job.ranks(case):
+            why = rec.get("error") or problem(rec)
+            if why:
+                found.append((bool(rec.get("peer_lost")), rec.get("rank", 0), why))
+        if found:
+            _, rank, why = min(found)
+            failures.append(f"{case}, rank {rank}: {why}")
+    if failures:
+        more = f" (and {len(failures) - 1} more failing case(s))" if len(failures) > 1 else ""
+        pytest.fail(failures[0] + more, pytrace=False)
+
+
+# --- what makes one rank's record wrong (None when it is right) -----------------------------------
+def grad_problem(rec) -> str | None:
+    if rec["missing_grads"]:
+        return f"{rec['missing_grads']} parameter(s) of this stage have no .grad after gpipe_step: run the backward"
+    diff = rec["max_grad_diff"]
+    if diff is None or not diff <= TOLERANCE:  # NaN is wrong too
+        scale = rec["grad_scale"] or float("nan")
+        hint = (f"they are {scale:.3g}x the reference: scale each micro-batch loss by 1/n_micro" if
+                abs(scale - rec["n_micro"]) < 0.01 * rec["n_micro"] and rec["n_micro"] > 1 else
+                "every micro-batch's backward must run once, with the gradient the next stage sent for it")
+        return (f"gradients differ from the unsplit model's on the full batch by {diff:.2g} (tolerance "
+                f"{TOLERANCE:g}); {hint}")
+    return None
+
+
+def loss_problem(rec) -> str | None:
+    last = rec["rank"] == rec["world"] - 1
+    if not last:
+        return None if rec["returned"] == "None" else f"returned a {rec['returned']}; only the last rank returns the loss"
+    if rec["loss"] is None:
+        return f"the last rank returned {rec['returned']}, not the loss (a 0-dim tensor)"
+    if not abs(rec["loss"] - rec["ref_loss"]) <= TOLERANCE * max(1.0, abs(rec["ref_loss"])):
+        return (f"returned loss {rec['loss']:.6g}, the unsplit model's mean loss on the full batch is "
+                f"{rec['ref_loss']:.6g}: sum the micro-batch losses, each divided by n_micro")
+    return None
+
+
+def calls_problem(rec) -> str | None:
+    if rec["forward_calls"] != rec["n_micro"]:
+        return (f"the stage's forward ran {rec['forward_calls']} time(s) for n_micro={rec['n_micro']}: call "
+                f"stage(x) once per micro-batch")
+    return None
+
+
+def comm_problem(rec) -> str | None:
+    if rec.get("collectives"):
+        return f"called {rec['collectives'][0]}: only send/recv/isend/irecv/batch_isend_irecv are allowed"
+    return None
+
+
+def overlap_problem(job: JobRecords, case: str) -> str | None:
+    """Stage s+1 must start micro-batch 0 before stage s has finished its last forward."""
+    recs = job.ranks(case)
+    for rec in recs:
+        why = rec.get("error") or calls_problem(rec)
+        if why:
+            return f"rank {rec.get('rank', 0)}: {why}"
+    for s in range(len(recs) - 1):
+        last_end = recs[s]["forward_times"][-1][1]
+        next_start = recs[s + 1]["forward_times"][0][0]
+        if last_end is None or not next_start < last_end:
+            return (f"stage {s + 1} started micro-batch 0 {1e3 * (next_start - last_end):.0f} ms after stage {s} "
+                    f"finished its last forward: send each micro-batch's output as soon as it is computed")
+    return None
+
+
+def invalid_problem(rec) -> str | None:
+    raised = rec["raised"]
+    must = rec["n_micro"] < 1 or rec["holds_data"]
+    if not must:
+        return None
+    what = (f"n_micro={rec['n_micro']}" if rec["n_micro"] < 1 else
+            f"a batch of {rec['batch']} with n_micro={rec['n_micro']}")
+    if raised is None:
+        return f"{what} was accepted: raise ValueError before any communication"
+    if not raised["value_error"]:
+        return f"{what} raised {raised['line']}, expected ValueError"
+    return None
+
+
+# --- the tests ----------------------------------------------------------------------------------------
+EQUIV = [(2, "m1"), (2, "m4"), (2, "m3-3d"), (4, "m1"), (4, "m4"), (4, "m3-3d"), (4, "m8")]
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("world,micro", EQUIV, ids=[f"p{w}-{m}" for w, m in EQUIV])
+def test_gradients_match_unsplit_model(jobs, world, micro):
+    """Every stage's .grad equals the unsplit model's gradients on the full batch (mean loss)."""
+    check(jobs[world], [f"equiv-p{world}-{micro}"], grad_problem)
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_loss_on_last_rank(jobs, world):
+    """The last rank returns the full batch's mean loss; the other ranks return None."""
+    check(jobs[world], jobs[world].cases("equiv"), loss_problem)
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_forward_once_per_micro_batch(jobs, world):
+    """stage(x) runs n_micro times per step, on micro-batches, never on the full batch."""
+    check(jobs[world], jobs[world].cases("equiv"), calls_problem)
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_micro_batches_are_pipelined(jobs, world):
+    """Stages sleeping 30 ms per micro-batch, m=4: stage s+1 starts micro-batch 0 before stage s ends micro-batch 3."""
+    why = overlap_problem(jobs[world], f"overlap-p{world}-m4")
+    assert why is None, f"overlap-p{world}-m4, {why}"
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("case", ["invalid-n_micro-0", "invalid-batch-6-m4"])
+def test_invalid_arguments_raise(jobs, case):
+    """n_micro=0 (every rank), and a batch of 6 split into 4 (the ranks holding the batch or the targets),
+    raise ValueError."""
+    check(jobs[2], [case], invalid_problem)
+
+
+@pytest.mark.points(2)
+def test_only_point_to_point(jobs):
+    """No torch.distributed collective is called in any case, and the stages do talk with send/recv."""
+    for world, job in jobs.items():
+        cases = job.cases("equiv") + job.cases("overlap")
+        check(job, cases, comm_problem)
+        p2p = [rec.get("p2p_calls", 0) for case in cases for rec in job.ranks(case)]
+        assert all(n > 0 for n in p2p), f"{world} stages: a rank made no send/recv during gpipe_step"

@@ -39,7 +39,9 @@ from pathlib import Path
 Interval = tuple[float, float]  # (start_us, end_us)
 
 STEP_PREFIX = "ProfilerStep#"
-CALLER_COMM_PREFIXES = ("c10d::", "record_param_comms", "gloo:", "nccl:")
+# A caller's collective calls. DTensor (tensor parallel, FSDP2) issues "functional" collectives and later
+# blocks in `_c10d_functional::wait_tensor`: that wait is communication, not compute.
+CALLER_COMM_PREFIXES = ("c10d::", "_c10d_functional::", "record_param_comms", "gloo:", "nccl:")
 COMPUTE_CATS = ("cpu_op", "user_annotation")
 GPU_WORK_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 EPS_US = 1e-3  # kineto rounds to ns: a child may end 1 ns after its parent

@@ -97,6 +97,14 @@ def test_a_region_around_a_blocking_collective_is_not_compute(tmp_path):
     assert s.overlap == 0
 
 
+def test_a_functional_collective_wait_is_not_compute(tmp_path):
+    # DTensor: issue the all-reduce [30,32], compute [32,50], then block in wait_tensor [50,79] until gloo ends
+    events = [step(0, 0, 100), ev("_c10d_functional::all_reduce", 30, 2), ev("aten::mm", 32, 18),
+              ev("_c10d_functional::wait_tensor", 50, 29), gloo(31, 48), ev("aten::add", 80, 10)]
+    (s,) = analyze_trace(write_trace(tmp_path / "rank0.json", events)).steps
+    assert (s.compute_us, s.comm_us, s.exposed_comm_us) == (28, 48, 30)
+
+
 def test_communication_straddling_a_step_boundary_is_split_between_the_steps(tmp_path):
     events = [step(1, 0, 50), step(2, 50, 50), ev("aten::mm", 0, 45), ev("aten::mm", 55, 45), gloo(40, 20)]
     s1, s2 = analyze_trace(write_trace(tmp_path / "rank0.json", events)).steps

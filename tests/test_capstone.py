@@ -1,0 +1,113 @@
+"""Chapter 09's script: a GPT trained on a dp x tp mesh computes what one process computes on the whole batch.
+
+The reference is trained here, in the test process, with a loop written independently of the script's
+(plain model, no process group): same seed, same global batches, same optimizer. The jobs run side by side.
+"""
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import gpucourse
+
+from .conftest import ROOT, run_processes
+
+SCRIPT = ROOT / "scripts" / "09_gpt_2d.py"
+STEPS, TOL = 5, 1e-4
+MESHES = [(2, 2, "fsdp"), (1, 2, "fsdp"), (2, 1, "allreduce")]  # (dp, tp, how the dp dimension is done)
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpt_2d", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference_losses(gpt, args) -> list[float]:
+    """One process, the whole global batch, the script's defaults for everything not in `args`."""
+    torch.manual_seed(args.seed)  # what runtime.setup(seed=..., seed_per_rank=False) does on every rank
+    data = gpt.CharData(args.data)
+    model = gpt.GPT(data.vocab_size, args.context, args.d_model, args.heads, args.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
+    losses = []
+    for step in range(STEPS):
+        x, y = data.batch("train", args.batch, args.context, seed=args.seed * 100_003 + step)
+        loss = model(x, y)[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    runs_dir = tmp_path_factory.mktemp("runs")
+
+    def launch(mesh):
+        dp, tp, mode = mesh
+        return gpucourse.launch(SCRIPT, nproc=dp * tp, timeout=240, name=f"capstone-{dp}x{tp}-{mode}",
+                                args=["--dp", str(dp), "--tp", str(tp), "--dp-mode", mode, "--steps", str(STEPS),
+                                      "--warmup-steps", "1", "--eval-batches", "0", "--sample", "0"],
+                                env={"OMP_NUM_THREADS": "1", "GPUCOURSE_RUNS_DIR": str(runs_dir)}, check=False)
+
+    with ThreadPoolExecutor(len(MESHES)) as pool:
+        results = dict(zip(MESHES, pool.map(launch, MESHES)))
+    for res in results.values():
+        assert run_processes(res.run_dir) == [], f"{res.run_dir.name} left processes behind"
+    return results
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return load_script()
+
+
+@pytest.fixture(scope="module")
+def reference(gpt):
+    return reference_losses(gpt, gpt.parse_args([]))
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}x{m[1]}-{m[2]}")
+def test_mesh_run_matches_single_process(runs, reference, mesh):
+    res = runs[mesh]
+    assert res.ok, f"{res.run_dir.name}: {res.error.summary if res.error else res.status}"
+    assert reference[-1] < reference[0] - 0.1, f"the reference does not learn: {reference}"
+    for rank in range(mesh[0] * mesh[1]):
+        losses = res.metric("loss", rank=rank)
+        assert len(losses) == STEPS, f"rank {rank} logged {len(losses)} losses, expected {STEPS}"
+        diff = max(abs(a - b) for a, b in zip(losses, reference))
+        assert diff < TOL, f"{mesh} rank {rank}: losses {losses} vs one process {reference} (max diff {diff:.2e})"
+
+
+TP_SHARDED = ("attn.q.", "attn.k.", "attn.v.", "mlp.fc.", "attn.out.weight", "mlp.proj.weight")  # not row biases
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}x{m[1]}-{m[2]}")
+def test_memory_counts_local_shards(runs, gpt, mesh):
+    """Each rank holds 1/tp of the TP-split tensors, 1/dp of everything under FSDP (whole copies under the
+    plain all-reduce), a gradient per parameter and AdamW's two moments."""
+    dp, tp, mode = mesh
+    args = gpt.parse_args([])
+    model = gpt.GPT(gpt.CharData(args.data).vocab_size, args.context, args.d_model, args.heads, args.layers)
+    expected = sum(p.numel() * 4 / (tp if any(k in name for k in TP_SHARDED) else 1) / (dp if mode == "fsdp" else 1)
+                   for name, p in model.named_parameters())
+    for rank in range(dp * tp):
+        summary = next(m for m in runs[mesh].metrics[rank] if m.get("summary"))
+        params = summary["param_bytes"]
+        assert params == pytest.approx(expected, rel=0.01), (
+            f"{mesh} rank {rank}: {params} parameter bytes, expected {expected:.0f} (local shards only)")
+        assert summary["grad_bytes"] == params, f"{mesh} rank {rank}: every parameter should have its gradient"
+        assert summary["optim_bytes"] == 2 * params, f"{mesh} rank {rank}: AdamW state should be 2x the params"
+        assert summary["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("dp, tp, heads, batch, words", [(2, 2, 4, 16, "ranks"), (1, 3, 4, 16, "--heads"),
+                                                         (2, 1, 4, 15, "--batch")])
+def test_bad_sizes_get_a_clear_error(gpt, dp, tp, heads, batch, words):
+    args = SimpleNamespace(dp=dp, tp=tp, heads=heads, d_model=64, batch=batch)
+    with pytest.raises(ValueError, match=words):
+        gpt.check_sizes(args, world_size=3 if words == "ranks" else dp * tp)

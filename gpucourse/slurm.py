@@ -75,13 +75,16 @@ def _ranks_per_node(gpus_per_node: int, procs_per_node: int | None) -> int:
 def sbatch_script(script, *, nodes: int, gpus_per_node: int, procs_per_node: int | None = None,
                   args: Sequence[str] = (), job_name: str | None = None, time: str = "00:30:00",
                   partition: str | None = None, account: str | None = None, port: int = 29500,
-                  python: str | None = None, output_dir=None, cpus_per_task: int | None = None) -> str:
+                  python: str | None = None, output_dir=None, cpus_per_task: int | None = None,
+                  max_restarts: int = 0) -> str:
     """The text of an sbatch script running `script` on `nodes` nodes, one torchrun agent per node.
 
     gpus_per_node: GPUs (= ranks, NCCL) per node; 0 means CPU nodes running `procs_per_node` gloo ranks.
     python: run torchrun as `PYTHON -m torch.distributed.run` (default: `torchrun` from the job's PATH).
     output_dir: where Slurm writes its logs (default: <runs dir>/slurm); it must exist before `sbatch`
     (write_sbatch creates it). cpus_per_task: CPUs per node's task (default: one per rank).
+    max_restarts: how many times torchrun restarts the job's ranks after a failure (chapter 08: the
+    script must resume from its last checkpoint).
     Raises SlurmConfigError (a ValueError) naming what is wrong.
     """
     _check_int("nodes", nodes, 1, "a job needs at least 1 node")
@@ -89,6 +92,7 @@ def sbatch_script(script, *, nodes: int, gpus_per_node: int, procs_per_node: int
     nproc = _ranks_per_node(gpus_per_node, procs_per_node)
     cpus = _check_int("cpus_per_task", nproc if cpus_per_task is None else cpus_per_task, 1,
                       "each node's task needs at least 1 CPU")
+    _check_int("max_restarts", max_restarts, 0, "use 0 (no restart) or the number of restarts allowed")
     _check_int("port", port, 1, "use a free TCP port of the head node (default 29500)")
     if port > 65535:
         raise SlurmConfigError(f"port={port} is out of range: TCP ports go up to 65535")
@@ -136,6 +140,8 @@ def sbatch_script(script, *, nodes: int, gpus_per_node: int, procs_per_node: int
         f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, cpus // nproc)}}}",
         *(["# CPU nodes: gloo between CPU processes.", "export GPUCOURSE_BACKEND=gloo GPUCOURSE_DEVICE=cpu"]
           if not gpus_per_node else []),
+        *(["# Restarts: each worker group gets its own store; sharing the rendezvous store breaks gloo restarts",
+           "# (pytorch issue 135712).", "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"] if max_restarts else []),
         "",
         (f'echo "job $SLURM_JOB_ID: $SLURM_NNODES node(s) x {nproc} rank(s), rendezvous $HEAD:{port}, '
          'metrics in $GPUCOURSE_RUN_DIR"'),
@@ -143,7 +149,7 @@ def sbatch_script(script, *, nodes: int, gpus_per_node: int, procs_per_node: int
         "# line with its local rank ([default<r>]:) and keeps lines whole in the node's shared log.",
         f"srun --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=1 \\",
         f"    --output={out}/%x-%j-%N.out --error={out}/%x-%j-%N.err \\",
-        f'  {launcher} --nnodes "$SLURM_NNODES" --nproc-per-node {nproc} --tee 3 \\',
+        f'  {launcher} --nnodes "$SLURM_NNODES" --nproc-per-node {nproc} --max-restarts {max_restarts} --tee 3 \\',
         f'    --rdzv-backend c10d --rdzv-endpoint "$HEAD:{port}" --rdzv-id "$SLURM_JOB_ID" \\',
         f"    {command}",
     ]
@@ -173,6 +179,7 @@ def _cli(args) -> int:
                             procs_per_node=args.procs_per_node, args=args.script_args, job_name=args.job_name,
                             time=args.time, partition=args.partition, account=args.account, port=args.port,
                             python=args.python, output_dir=args.output_dir, cpus_per_task=args.cpus_per_task,
+                            max_restarts=args.max_restarts,
                             path=args.path)
     except (SlurmConfigError, OSError) as err:
         print(f"gpucourse slurm: error: {err}", file=sys.stderr)
@@ -197,6 +204,8 @@ def add_cli(sub) -> None:
     p.add_argument("--job-name", help="default: the script's name")
     p.add_argument("--port", type=int, default=29500, metavar="PORT",
                    help="rendezvous port on the head node (default 29500)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="restart the ranks up to K times after a failure (the script must resume; default 0)")
     p.add_argument("--python", help="run torchrun with this Python (default: torchrun from the job's PATH)")
     p.add_argument("--output-dir", metavar="DIR", help="Slurm's log directory (default: <runs dir>/slurm)")
     p.add_argument("-o", "--path", help="where to write the script (default: <output dir>/<job name>.sbatch)")

@@ -92,6 +92,15 @@ def test_cpu_nodes_script_runs_gloo_ranks(runs_dir):
     assert "export GPUCOURSE_BACKEND=gloo GPUCOURSE_DEVICE=cpu" in text
 
 
+def test_restarts_are_passed_to_torchrun_with_an_unshared_store(runs_dir):
+    plain = sbatch_script(WORKER, nodes=2, gpus_per_node=1)
+    assert option(after(srun_command(plain), "torchrun"), "--max-restarts") == "0"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in plain
+    text = sbatch_script(WORKER, nodes=2, gpus_per_node=1, max_restarts=3)
+    assert option(after(srun_command(text), "torchrun"), "--max-restarts") == "3"
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text  # gloo restarts need their own store
+
+
 def test_python_option_runs_torchrun_as_a_module(runs_dir):
     srun = srun_command(sbatch_script(WORKER, nodes=1, gpus_per_node=1, python="/opt/my env/bin/python"))
     assert "torchrun" not in srun
@@ -162,6 +171,7 @@ def test_script_runs_one_torchrun_with_the_head_node_and_arguments_intact(tmp_pa
     (dict(nodes=1, gpus_per_node=1, job_name="my job"), "job name 'my job' may only contain"),
     (dict(nodes=1, gpus_per_node=1, partition="gpu\n#SBATCH --x"), "partition"),
     (dict(nodes=1, gpus_per_node=1, port=70000), "port=70000 is out of range"),
+    (dict(nodes=1, gpus_per_node=1, max_restarts=-1), "max_restarts=-1 is out of range"),
     (dict(nodes=1, gpus_per_node=1, output_dir="/tmp/my logs"), "contains a space"),
 ])
 def test_bad_input_is_refused_with_a_clear_message(runs_dir, kwargs, message):

@@ -10,14 +10,19 @@ is `torchrun <torchrun arguments>` (same parser, same elastic agent, same rendez
   SIGKILL when a second signal arrives during its graceful shutdown);
 - it writes EXIT_FILE (JSON): every failed rank's exit code, and the root cause as torchrun saw it;
 - with `--logs-specs gpucourse --log-dir DIR`, workers log to `DIR/attempt<k>/rank<r>.{stdout,stderr}`,
-  named by *global* rank.
+  named by *global* rank;
+- when every node is on this machine (`--standalone`, or a loopback rendezvous endpoint), no store of
+  the job listens beyond 127.0.0.1 (see `_bind_stores_to_loopback`); otherwise it says, once, that the
+  stores listen on every interface without authentication.
 """
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -28,6 +33,9 @@ from .procs import descendants, terminate
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 GRACE_S = 3.0
 SCRIPT_ARGS_ENV = "GPUCOURSE_SCRIPT_ARGS"  # JSON list: the training script's arguments
+OPEN_STORE_WARNING = ("the rendezvous store (and rank 0's store) listen on every network interface, without "
+                      "authentication: anyone who can reach them can join or disrupt the job. Keep the cluster "
+                      "network private (firewall the ports, or a private network between the hosts).")
 
 
 def _prctl(option: int, value: int) -> None:
@@ -77,6 +85,88 @@ def _failure_record(rank: int, failure) -> dict:
             "signal": failure.signal_name(), "timestamp": failure.timestamp, "message": message}
 
 
+def _endpoint_host(endpoint: str) -> str:
+    endpoint = endpoint.strip()
+    if endpoint.startswith("["):  # [::1]:29400
+        return endpoint[1:endpoint.find("]")]
+    return endpoint.rsplit(":", 1)[0] if endpoint.count(":") == 1 else endpoint  # host:port, host, or ::1
+
+
+def is_loopback_endpoint(endpoint: str | None) -> bool:
+    """True when a rendezvous endpoint `host[:port]` is literally loopback (localhost, 127.x, ::1).
+
+    Then every node of the job runs on this machine.
+    Host names are not resolved: Debian maps a machine's own name to 127.0.1.1, yet other hosts reach
+    that name over the network, so a name must keep torch's default (listen on every interface).
+    """
+    host = _endpoint_host(endpoint or "")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_listener(port: int = 0) -> tuple[int, int]:
+    """(port, fd) of a socket bound to 127.0.0.1: a TCPStore given it as master_listen_fd listens there only.
+
+    Raises OSError when the port is taken.
+    """
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock.getsockname()[1], sock.detach()
+
+
+def _bind_stores_to_loopback() -> None:
+    """Make both TCP stores of a single-machine job listen on 127.0.0.1 only.
+
+    torch's TCPStore server binds every interface; its only way to choose the address is
+    `master_listen_fd`, a socket we bind ourselves. Two stores are made on the agent side:
+    - the rendezvous store, made by the c10d backend's `_create_tcp_store` (node 0's agent hosts it);
+    - the workers' store (MASTER_ADDR:MASTER_PORT). With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 rank 0's
+      worker would host it itself, in a process we cannot reach into, so the agent of node 0 hosts a
+      fresh one per rendezvous round (`RendezvousStoreInfo.build`: fresh, so no key of an earlier attempt
+      survives a restart, pytorch#135712) and workers join it as clients (`use_agent_store`).
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import api, dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    def rendezvous_store(params):
+        host, port = parse_rendezvous_endpoint(params.endpoint, default_port=c10d.DEFAULT_PORT)
+        timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
+        try:
+            port, fd = _loopback_listener(port)
+        except OSError:  # another agent on this machine hosts it: join as a client
+            return TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+        return TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, timeout=timeout, master_listen_fd=fd)
+
+    workers_store = {}  # the current round's store, kept alive here; replacing it closes the previous one
+
+    def build(rank, store, local_addr, server_port=None):
+        if rank == 0:
+            port, fd = _loopback_listener()
+            workers_store["current"] = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
+                                                master_listen_fd=fd)
+            store.set(api.RendezvousStoreInfo.MASTER_ADDR_KEY, b"127.0.0.1")
+            store.set(api.RendezvousStoreInfo.MASTER_PORT_KEY, str(port).encode())
+        addr = store.get(api.RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
+        return api.RendezvousStoreInfo(addr, int(store.get(api.RendezvousStoreInfo.MASTER_PORT_KEY).decode()))
+
+    c10d._create_tcp_store = rendezvous_store
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # torch's own shared store would bind everything
+    api.RendezvousStoreInfo.build = staticmethod(build)
+    dynamic_rendezvous.DynamicRendezvousHandler.use_agent_store = property(lambda self: True)
+
+
 PEER_REPORTS = ("remote worker", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
@@ -108,6 +198,10 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = torchrun.parse_args(torchrun_args)
+    if args.standalone or (args.rdzv_backend == "c10d" and is_loopback_endpoint(args.rdzv_endpoint)):
+        _bind_stores_to_loopback()
+    else:
+        print(f"gpucourse agent: warning: {OPEN_STORE_WARNING}", file=sys.stderr, flush=True)
     # The script's own arguments travel apart: torchrun's parser would take `--nproc` after the script
     # for an abbreviation of its own `--nproc-per-node`.
     args.training_script_args = json.loads(os.environ.pop(SCRIPT_ARGS_ENV, "[]"))

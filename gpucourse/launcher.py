@@ -22,9 +22,9 @@ from pathlib import Path
 import psutil
 
 from . import hardware
-from .agent import SCRIPT_ARGS_ENV
+from .agent import OPEN_STORE_WARNING, SCRIPT_ARGS_ENV, is_loopback_endpoint
 from .live import make_view
-from .paths import RUN_DIR_ENV, new_run_dir, runs_root
+from .paths import RUN_DIR_ENV, new_run_dir, runs_root, slug
 from .procs import alive, descendants, rank_of, terminate
 from .result import RunResult, load_run
 
@@ -111,25 +111,25 @@ def _free_port() -> int:
 
 # --- the job ------------------------------------------------------------------------------------
 def _torchrun_args(script: Path, args, run_dir: Path, nproc: int, nnodes: int, node_rank: int,
-                   rdzv_endpoint: str | None, max_restarts: int) -> list[str]:
+                   rdzv_endpoint: str | None, max_restarts: int, rdzv_id: str) -> list[str]:
     common = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
               "--logs-specs", "gpucourse", "--log-dir", str(run_dir / "logs"), "--redirects", "3"]
     if nnodes == 1 and not rdzv_endpoint:
         nodes = ["--standalone", "--nnodes", "1"]
     else:
         nodes = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", run_dir.name]
+                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
     return nodes + common + [str(script)]  # the script's own arguments go through SCRIPT_ARGS_ENV
 
 
-def _job_env(run_dir: Path, backend: str, nproc: int, nnodes: int, extra: dict | None, args) -> dict:
+def _job_env(run_dir: Path, backend: str, nproc: int, one_host: bool, extra: dict | None, args) -> dict:
     env = dict(os.environ)
     env.update({RUN_DIR_ENV: str(run_dir), SCRIPT_ARGS_ENV: json.dumps(list(map(str, args))), "GPUCOURSE_BACKEND": backend, "PYTHONUNBUFFERED": "1",
                 # Restarts under gloo are unreliable when workers share the agent's store (pytorch#135712).
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    if nnodes == 1 and Path("/sys/class/net/lo").exists():
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single host: keep gloo's traffic on loopback
+    if one_host and Path("/sys/class/net/lo").exists():
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every node here: keep gloo's traffic on loopback
     env.update({k: str(v) for k, v in (extra or {}).items()})
     return env
 
@@ -173,6 +173,10 @@ class _Job:
     def running_ranks(self) -> list[int]:
         return sorted({self.ranks[p.pid] for p in alive(list(self.seen.values())) if p.pid in self.ranks})
 
+    def all_ranks_ended(self) -> bool:
+        """Ranks were started and none is alive any more (the agents may still be reporting)."""
+        return bool(self.ranks) and not self.running_ranks()
+
     def stop(self) -> None:
         """SIGTERM the agents (torchrun forwards it), give them a grace period, then kill the whole tree."""
         self.track()
@@ -198,7 +202,10 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
     logged anything for this long. check: raise LaunchError (with the root cause) unless it succeeded.
     live: how to show it while it runs: None/True (widget in a notebook, text elsewhere), 'text',
     'widget', or False. nnodes > 1 without rdzv_endpoint starts that many torchrun agents here, each a
-    "node"; with rdzv_endpoint ("host:port") this process is node `node_rank` of a real multi-host job.
+    "node"; with rdzv_endpoint ("host:port") this process is node `node_rank` of a real multi-host job,
+    which meets the other hosts' launches of the same `name` (the rendezvous id).
+    Security: a job whose nodes all run here keeps its stores on 127.0.0.1 (see agent.py); a multi-host
+    job's stores listen on every interface without authentication (the manifest says so under "warnings").
     """
     nproc = _check_int("nproc", nproc, 1, MAX_NPROC)
     nnodes = _check_int("nnodes", nnodes, 1, 1024)
@@ -213,12 +220,15 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
     run_dir = _writable_run_dir(name or script.stem)
     world = nproc * nnodes
     endpoint = rdzv_endpoint or (f"127.0.0.1:{_free_port()}" if nnodes > 1 else None)
-    job_env = _job_env(run_dir, backend, nproc, local_nodes, env, args)
+    one_host = not rdzv_endpoint or is_loopback_endpoint(rdzv_endpoint)
+    # Hosts of a real multi-host job must agree on the rendezvous id: the run's name, not its folder.
+    rdzv_id = slug(name or script.stem) if rdzv_endpoint else run_dir.name
+    job_env = _job_env(run_dir, backend, nproc, one_host, env, args)
     commands = []
     for k in range(local_nodes):
         node = node_rank if rdzv_endpoint else k
         suffix = f"-node{node}" if nnodes > 1 else ""
-        targs = _torchrun_args(script, args, run_dir, nproc, nnodes, node, endpoint, max_restarts)
+        targs = _torchrun_args(script, args, run_dir, nproc, nnodes, node, endpoint, max_restarts, rdzv_id)
         commands.append((suffix, [sys.executable, "-m", "gpucourse.agent", str(run_dir / f"exit{suffix}.json"),
                                   "--", *targs]))
     manifest = {
@@ -227,6 +237,7 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
         "device": "cuda" if backend == "nccl" or hardware.gpu_count() else "cpu",
         "torchrun": ["torchrun", *commands[0][1][5:], *map(str, args)], "commands": [c for _, c in commands],
         "host": socket.gethostname(), "versions": _versions(), "start": time.time(), "status": "running",
+        "warnings": [] if one_host else [OPEN_STORE_WARNING],
         "env": {k: v for k, v in job_env.items()
                 if k.startswith(("GPUCOURSE_", "OMP_", "GLOO_", "NCCL_", "TORCH_")) and k != SCRIPT_ARGS_ENV}}
     _write_manifest(run_dir, manifest)
@@ -256,8 +267,10 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
             now = time.monotonic()
             if timeout and now - started > timeout:
                 stop_status, stop_reason = "timeout", f"timed out after {timeout:g} s"
-            elif stall_timeout and now - last_activity > stall_timeout + (0 if heard else STARTUP_GRACE_S):
-                # Starting torch in every rank can take many seconds on a busy machine: not a stall.
+            elif (stall_timeout and now - last_activity > stall_timeout + (0 if heard else STARTUP_GRACE_S)
+                  and not job.all_ranks_ended()):
+                # Starting torch in every rank can take many seconds on a busy machine: not a stall. Nor is
+                # an agent winding down after its ranks ended: its report holds the root cause.
                 stop_status, stop_reason = "stalled", f"stalled: no rank printed or logged for {stall_timeout:g} s"
             if stop_reason:
                 running = job.running_ranks()

@@ -241,6 +241,8 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
         "env": {k: v for k, v in job_env.items()
                 if k.startswith(("GPUCOURSE_", "OMP_", "GLOO_", "NCCL_", "TORCH_")) and k != SCRIPT_ARGS_ENV}}
     _write_manifest(run_dir, manifest)
+    for warning in manifest["warnings"]:
+        print(f"gpucourse: warning: {warning}", file=sys.stderr, flush=True)
 
     header = f"{script.name}: {world} rank(s), backend {backend}, {manifest['device']} — {run_dir}"
     view = make_view(live, header, world)

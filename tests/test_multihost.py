@@ -139,5 +139,6 @@ def test_two_hosts_rendezvous_across_a_veth_link(hosts, tmp_path):
         manifest = json.loads((res.run_dir / "manifest.json").read_text())
         assert any("without authentication" in w for w in manifest["warnings"])
     assert "without authentication" in next(run_dirs[0].glob("agent*.log")).read_text()
+    assert all("gpucourse: warning:" in out and "without authentication" in out for out in outputs)  # told, too
     for d in run_dirs:
         assert run_processes(d) == []

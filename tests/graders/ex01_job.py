@@ -15,10 +15,8 @@ loop or an early exit costs the cases it breaks, not the grading run.
 """
 import argparse
 import contextlib
-import functools
 import os
 import re
-import sys
 import time
 
 import torch
@@ -46,15 +44,17 @@ REAL_ALL_REDUCE, REAL_BARRIER = dist.all_reduce, dist.barrier  # the job's own, 
 
 
 # --- the guard: what the submission calls, sends and prints ---------------------------------------
-class Guard:
+class Guard(jobkit.Guard):
     """Wraps torch.distributed while the submission runs. The wrapped calls still work (so correctness is
     still checked); the tests score zero when a collective was used."""
 
     def __init__(self):
-        self.active, self.depth = False, 0
+        super().__init__()
         self.collectives: list[str] = []
         self.sent_bytes = 0
-        self.output = jobkit.CappedOutput()
+
+    def reset(self) -> None:
+        self.collectives, self.sent_bytes = [], 0
 
     def install(self) -> None:
         from torch.distributed import distributed_c10d as c10d
@@ -84,28 +84,11 @@ class Guard:
         return send
 
     def _recorder(self, name, fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if self.active and self.depth == 0 and name not in self.collectives:
-                self.collectives.append(name)  # the outermost call only: all_reduce, not also its ProcessGroup call
-            self.depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.depth -= 1
+        def note(*args, **kwargs):
+            if name not in self.collectives:
+                self.collectives.append(name)
 
-        return wrapper
-
-    @contextlib.contextmanager
-    def watching(self):
-        """Run the submission: record collectives and bytes, cap what it prints."""
-        self.collectives, self.sent_bytes, self.active = [], 0, True
-        try:
-            with self.output.capturing():
-                yield self
-        finally:
-            self.active = False
-
+        return self.wrap(fn, note)
 
 
 # --- the cases --------------------------------------------------------------------------------------
@@ -213,16 +196,8 @@ def main() -> None:
     cases = plan(ctx.world_size)
     runtime.log(case="plan", cases={case: group for case, group, *_ in cases})
 
-    with watchdog.case_limit("import", "import", args.case_limit):
-        try:
-            with guard.watching():
-                fn = getattr(jobkit.load_submission(args.submission, "ex01"), FUNCTION, None)
-            if not callable(fn):
-                raise AttributeError(f"{os.path.basename(args.submission)} defines no function {FUNCTION}")
-        except BaseException as err:  # noqa: BLE001 - a broken submission is graded, not a grader crash
-            runtime.log(case="import", group="import", error=one_line(err))
-            runtime.teardown()
-            sys.exit(1)
+    module = jobkit.import_or_exit(args.submission, "ex01", [FUNCTION], guard.watching, watchdog, args.case_limit)
+    fn = getattr(module, FUNCTION)
 
     for index, (case, group, shape, dtype, values) in enumerate(cases):
         with watchdog.case_limit(case, group, args.case_limit):

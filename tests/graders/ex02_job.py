@@ -21,11 +21,8 @@ prints is capped, and a watchdog ends the rank (after logging why) when a case t
 --case-limit: a deadlock or an endless loop costs the cases it breaks, not the grading run.
 """
 import argparse
-import contextlib
 import copy
 import functools
-import os
-import sys
 import time
 
 import torch
@@ -46,16 +43,17 @@ OVERLAP_BUCKET_MB = 0.3  # one 256x256 layer (257 KiB) per bucket
 SMALL_BUCKET_MB, LARGE_BUCKET_MB = 0.05, 100.0
 TOLERANCE = 1e-5  # float32, a few steps; the reference reaches ~1e-7
 REAL_BROADCAST = dist.broadcast  # the job's own, kept before the guard wraps anything
-SUBMISSION = [""]  # its path, set by main(): tracebacks are reported at the submission's own lines
 
 
 # --- the guard: which all_reduces the submission starts, and whether it reaches for torch's DDP ----------
-class Guard:
+class Guard(jobkit.Guard):
     def __init__(self):
-        self.active, self.depth = False, 0
+        super().__init__()
         self.calls: list[dict] = []  # {"t": perf_counter at the call, "bytes": ..., "async": ...}
         self.ddp_used = False
-        self.output = jobkit.CappedOutput()
+
+    def reset(self) -> None:
+        self.calls = []
 
     def install(self) -> None:
         from torch.distributed import distributed_c10d as c10d
@@ -77,43 +75,14 @@ class Guard:
         torch.nn.parallel.distributed.DistributedDataParallel = ForbiddenDDP
 
     def _recorder(self, fn, async_at, skip_self=False):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if self.active and self.depth == 0:  # the outermost call only: all_reduce, not also its group call
-                given = args[1:] if skip_self else args
-                is_async = True if async_at is None else bool(
-                    given[async_at] if len(given) > async_at else kwargs.get("async_op", False))
-                self.calls.append({"t": time.perf_counter(), "bytes": _nbytes(given[0] if given else None),
-                                   "async": is_async})
-            self.depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.depth -= 1
+        def note(*args, **kwargs):
+            given = args[1:] if skip_self else args
+            is_async = True if async_at is None else bool(
+                given[async_at] if len(given) > async_at else kwargs.get("async_op", False))
+            self.calls.append({"t": time.perf_counter(), "bytes": jobkit.nbytes(given[0] if given else None),
+                               "async": is_async})
 
-        return wrapper
-
-    @contextlib.contextmanager
-    def watching(self):
-        """Run the submission: record its all_reduces, cap what it prints."""
-        self.calls, self.active = [], True
-        try:
-            with self.output.capturing():
-                yield self
-        finally:
-            self.active = False
-
-
-def _nbytes(tensors) -> int:
-    if isinstance(tensors, torch.Tensor):
-        return tensors.numel() * tensors.element_size()
-    if isinstance(tensors, (list, tuple)):
-        return sum(_nbytes(t) for t in tensors)
-    return 0
-
-
-def one_line(err: BaseException) -> str:
-    return jobkit.one_line(err, SUBMISSION[0])
+        return self.wrap(fn, note)
 
 
 # --- the models ----------------------------------------------------------------------------------
@@ -337,7 +306,6 @@ def main() -> None:
     parser.add_argument("submission")
     parser.add_argument("--case-limit", type=float, default=20.0)
     args = parser.parse_args()
-    SUBMISSION[0] = os.path.abspath(args.submission)
     runtime.setup(seed=0)
     guard, watchdog = Guard(), jobkit.Watchdog(
         "a deadlock (a handle waited on that the other rank never matched), an endless loop, or far too slow")
@@ -345,27 +313,13 @@ def main() -> None:
     cases = plan()
     runtime.log(case="plan", cases={case: group for case, group, _ in cases})
 
-    with watchdog.case_limit("import", "import", args.case_limit):
-        try:
-            with guard.watching():
-                module = jobkit.load_submission(args.submission, "ex02")
-            impls = {name: getattr(module, name, None) for name in IMPLS}
-            missing = [name for name, cls in impls.items() if not callable(cls)]
-            if missing:
-                raise AttributeError(f"{os.path.basename(args.submission)} defines no {' or '.join(missing)}")
-        except BaseException as err:  # noqa: BLE001 - a broken submission is graded, not a grader crash
-            runtime.log(case="import", group="import", error=one_line(err), ddp_used=guard.ddp_used)
-            runtime.teardown()
-            sys.exit(1)
+    def ddp_used() -> dict:  # every record, the import's too, says whether torch's DDP was reached for
+        return {"ddp_used": guard.ddp_used}
 
-    for case, group, run in cases:
-        with watchdog.case_limit(case, group, args.case_limit):
-            try:
-                record = {"error": None, **run(impls, guard)}
-            except BaseException as err:  # noqa: BLE001 - SystemExit and friends are the submission's bugs too
-                record = {"error": one_line(err)}
-            runtime.log(case=case, group=group, ddp_used=guard.ddp_used, **record)
-    runtime.log(case="done")
+    module = jobkit.import_or_exit(args.submission, "ex02", IMPLS, guard.watching, watchdog, args.case_limit,
+                                   fields=ddp_used)
+    impls = {name: getattr(module, name) for name in IMPLS}
+    jobkit.run_cases(cases, (impls, guard), watchdog, args.case_limit, args.submission, fields=ddp_used)
     runtime.teardown()
 
 

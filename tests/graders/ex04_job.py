@@ -20,7 +20,6 @@ prints is capped.
 import argparse
 import math
 import os
-import sys
 
 import torch
 from torch import nn
@@ -195,14 +194,6 @@ def run_case(module, case: dict, ctx) -> dict:
     return record
 
 
-def load_submission(path: str):
-    module = jobkit.load_submission(path, "ex04")
-    missing = [name for name in FUNCTIONS if not callable(getattr(module, name, None))]
-    if missing:
-        raise AttributeError(f"{os.path.basename(path)} defines no function {', '.join(missing)}")
-    return module
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("submission")
@@ -218,14 +209,7 @@ def main() -> None:
     cases = plan(ctx.world_size, args.batch_per_rank)
     runtime.log(case="plan", cases={c["case"]: c["group"] for c in cases}, world_size=ctx.world_size,
                 batch_per_rank=args.batch_per_rank)
-    with watchdog.case_limit("import", "import", args.case_limit):
-        try:
-            with capped.capturing():
-                module = load_submission(args.submission)
-        except BaseException as err:  # noqa: BLE001 - a broken submission is graded, not a grader crash
-            runtime.log(case="import", group="import", error=one_line(err))
-            runtime.teardown()
-            sys.exit(1)
+    module = jobkit.import_or_exit(args.submission, "ex04", FUNCTIONS, capped.capturing, watchdog, args.case_limit)
     for case in cases:
         with watchdog.case_limit(case["case"], case["group"], args.case_limit):
             with capped.capturing():

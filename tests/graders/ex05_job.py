@@ -19,11 +19,9 @@ point-to-point calls are counted, its output is capped, and a watchdog ends the 
 when a case runs longer than --case-limit.
 """
 import argparse
-import contextlib
 import copy
 import functools
 import os
-import sys
 import time
 
 import torch
@@ -43,14 +41,16 @@ SUBMISSION = [""]
 
 
 # --- the guard ------------------------------------------------------------------------------------
-class Guard:
+class Guard(jobkit.Guard):
     """Records the collectives and counts the point-to-point calls the submission makes."""
 
     def __init__(self):
-        self.active, self.depth = False, 0
+        super().__init__()
         self.collectives: list[str] = []
         self.p2p = 0
-        self.output = jobkit.CappedOutput()
+
+    def reset(self) -> None:
+        self.collectives, self.p2p = [], 0
 
     def install(self) -> None:
         from torch.distributed import distributed_c10d as c10d
@@ -64,30 +64,15 @@ class Guard:
         if getattr(fn, "_ex05_wrapped", False):  # dist and c10d share some function objects
             return fn
 
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if self.active and self.depth == 0:  # the outermost call only
-                if name in COLLECTIVES:
-                    self.collectives.append(f"dist.{name}")
-                else:
-                    self.p2p += 1
-            self.depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.depth -= 1
+        def note(*args, **kwargs):
+            if name in COLLECTIVES:
+                self.collectives.append(f"dist.{name}")
+            else:
+                self.p2p += 1
 
+        wrapper = self.wrap(fn, note)
         wrapper._ex05_wrapped = True
         return wrapper
-
-    @contextlib.contextmanager
-    def watching(self):
-        self.collectives, self.p2p, self.active = [], 0, True
-        try:
-            with self.output.capturing():
-                yield self
-        finally:
-            self.active = False
 
 
 def one_line(err: BaseException) -> str:
@@ -210,26 +195,10 @@ def main() -> None:
     cases = plan(ctx.world_size)
     runtime.log(case="plan", cases={case: group for case, group, _ in cases})
 
-    with watchdog.case_limit("import", "import", args.case_limit):
-        try:
-            with guard.watching():
-                module = jobkit.load_submission(args.submission, "ex05")
-            gpipe_step = getattr(module, "gpipe_step", None)
-            if not callable(gpipe_step):
-                raise AttributeError(f"{os.path.basename(args.submission)} defines no gpipe_step")
-        except BaseException as err:  # noqa: BLE001 - a broken submission is graded, not a grader crash
-            runtime.log(case="import", group="import", error=one_line(err))
-            runtime.teardown()
-            sys.exit(1)
-
-    for case, group, run in cases:
-        with watchdog.case_limit(case, group, args.case_limit):
-            try:
-                record = {"error": None, **run(gpipe_step, guard)}
-            except BaseException as err:  # noqa: BLE001 - SystemExit and friends are the submission's bugs too
-                record = {"error": one_line(err), "collectives": guard.collectives}
-            runtime.log(case=case, group=group, **record)
-    runtime.log(case="done")
+    module = jobkit.import_or_exit(args.submission, "ex05", ["gpipe_step"], guard.watching, watchdog, args.case_limit)
+    # A case that raised still reports the collectives it had called (its own record has them otherwise).
+    jobkit.run_cases(cases, (module.gpipe_step, guard), watchdog, args.case_limit, args.submission,
+                     fields=lambda: {"collectives": guard.collectives})
     runtime.teardown()
 
 

@@ -20,11 +20,9 @@ The submission runs under a guard that records every torch.distributed collectiv
 nothing), with what it prints capped and a watchdog per case: a deadlock costs the cases it breaks.
 """
 import argparse
-import contextlib
 import functools
 import os
 import re
-import sys
 
 import torch
 import torch.distributed as dist
@@ -48,11 +46,11 @@ PG_METHODS = ("allreduce", "allgather", "_allgather_base", "allgather_into_tenso
 
 
 # --- the guard: every collective the submission starts, by phase ------------------------------------
-class Guard:
+class Guard(jobkit.Guard):
     def __init__(self):
-        self.active, self.depth, self.phase = False, 0, "forward"
-        self.calls: list[dict] = []  # {"phase", "op", "bytes"}
-        self.output = jobkit.CappedOutput()
+        super().__init__()
+        self.phase = "forward"
+        self.calls: list[dict] = []  # {"phase", "op", "bytes"}; kept across watches (forward, then backward)
 
     def install(self) -> None:
         from torch.distributed import _functional_collectives as funcol
@@ -70,36 +68,16 @@ class Guard:
                 setattr(ProcessGroup, name, self._recorder(getattr(ProcessGroup, name), f"ProcessGroup.{name}"))
 
     def _recorder(self, fn, op: str):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if self.active and self.depth == 0:  # the outermost call only: all_reduce, not also its group call
-                self.calls.append({"phase": self.phase, "op": op, "bytes": _nbytes(args[:1] if op == "all_reduce"
-                                                                                   else args)})
-            self.depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.depth -= 1
+        def note(*args, **kwargs):
+            self.calls.append({"phase": self.phase, "op": op,
+                               "bytes": jobkit.nbytes(args[:1] if op == "all_reduce" else args)})
 
-        return wrapper
+        return self.wrap(fn, note)
 
-    @contextlib.contextmanager
     def watching(self, phase: str = "forward"):
         """Run the submission: record its collectives under `phase`, cap what it prints."""
-        self.active, self.phase = True, phase
-        try:
-            with self.output.capturing():
-                yield self
-        finally:
-            self.active = False
-
-
-def _nbytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(t) for t in obj)
-    return 0
+        self.phase = phase
+        return super().watching()
 
 
 def one_line(err: BaseException) -> str:
@@ -291,24 +269,29 @@ def case_divisible(sub, guard, ctx, which: str):
     return {"mismatches": [f"{call} on {n} ranks was created: {bad} is not divisible by {n}; raise ValueError"]}
 
 
-def plan(world: int) -> list[tuple[str, str, object]]:
-    """(case, group, function of (submission, guard, ctx)) in the order they run."""
+def plan(world: int, rank: int, halves) -> list[tuple[str, str, object]]:
+    """(case, group, function of (submission, guard)) in the order they run. Each case gets its ctx: the whole
+    world, or (groups, 4 ranks) this rank's tensor-parallel group of 2 among `halves`."""
+    ctx = {"group": None, "n": world, "rank": rank}
+    p = functools.partial
     cases = []
     for bias in (True, False):
         for gather in (False, True):
             cases.append((f"column-{'bias' if bias else 'nobias'}-{'gather' if gather else 'split'}", "column",
-                          functools.partial(case_column, bias=bias, gather=gather)))
+                          p(case_column, ctx=ctx, bias=bias, gather=gather)))
     for bias in (True, False):
         for par in (True, False):
             cases.append((f"row-{'bias' if bias else 'nobias'}-{'parallel' if par else 'full'}-input", "row",
-                          functools.partial(case_row, bias=bias, parallel_input=par)))
-    cases.append(("row-bias-once", "bias-once", case_bias_once))
-    cases.append(("mlp", "mlp", case_mlp))
+                          p(case_row, ctx=ctx, bias=bias, parallel_input=par)))
+    cases.append(("row-bias-once", "bias-once", p(case_bias_once, ctx=ctx)))
+    cases.append(("mlp", "mlp", p(case_mlp, ctx=ctx)))
     if world > 1:
         for which in ("column", "row", "mlp"):
-            cases.append((f"divisible-{which}", "divisible", functools.partial(case_divisible, which=which)))
+            cases.append((f"divisible-{which}", "divisible", p(case_divisible, ctx=ctx, which=which)))
     if world == 4:
-        cases.append(("groups", "groups", case_groups))
+        half = rank // 2
+        cases.append(("groups", "groups", p(case_groups, ctx={"group": halves[half], "n": 2, "rank": rank % 2,
+                                                              "group_index": half})))
     return cases
 
 
@@ -325,38 +308,13 @@ def main() -> None:
     guard, watchdog = Guard(), jobkit.Watchdog(
         "a deadlock (a collective that the other ranks never matched), an endless loop, or far too slow")
     guard.install()
-    cases = plan(world)
+    cases = plan(world, rt.rank, halves)
     runtime.log(case="plan", cases={case: group for case, group, _ in cases}, world_size=world)
 
-    with watchdog.case_limit("import", "import", args.case_limit):
-        try:
-            with guard.watching("import"):
-                sub = jobkit.load_submission(args.submission, "ex06")
-            missing = [n for n in ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP")
-                       if not callable(getattr(sub, n, None))]
-            if missing:
-                raise AttributeError(f"{os.path.basename(args.submission)} defines no {' or '.join(missing)}")
-        except BaseException as err:  # noqa: BLE001 - a broken submission is graded, not a grader crash
-            runtime.log(case="import", group="import", error=one_line(err))
-            runtime.teardown()
-            sys.exit(1)
-
-    default = {"group": None, "n": world, "rank": rt.rank}
-    for case, group, run in cases:
-        ctx = default
-        if case == "groups":
-            index = rt.rank // 2
-            ctx = {"group": halves[index], "n": 2, "rank": rt.rank % 2, "group_index": index}
-        with watchdog.case_limit(case, group, args.case_limit):
-            guard.calls = []
-            try:
-                record = {"error": None, **run(sub, guard, ctx)}
-            except BaseException as err:  # noqa: BLE001 - SystemExit and friends are the submission's bugs too
-                record = {"error": one_line(err)}
-            runtime.log(case=case, group=group, **record)
-            # Line the ranks up again: a rank that failed before a collective must not meet its peers' next one.
-            dist.barrier()
-    runtime.log(case="done")
+    sub = jobkit.import_or_exit(args.submission, "ex06", ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP"),
+                                lambda: guard.watching("import"), watchdog, args.case_limit)
+    # A barrier after each case: a rank that failed before a collective must not meet its peers' next one.
+    jobkit.run_cases(cases, (sub, guard), watchdog, args.case_limit, args.submission, between=dist.barrier)
     runtime.teardown()
 
 

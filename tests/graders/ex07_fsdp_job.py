@@ -23,8 +23,6 @@ import argparse
 import copy
 import functools
 import gc
-import os
-import sys
 import weakref
 
 import torch
@@ -41,14 +39,9 @@ STEPS = 3
 GLOBAL_BATCH = 8
 TOLERANCE = 1e-5
 BF16_TOLERANCE = 1e-2  # bf16 keeps ~3 significant digits: SGD steps from weights ~0.3 stay well within this
-SUBMISSION = [""]
 WHY = "write the sharding yourself"
 FORBID = {"torch.distributed.fsdp:fully_shard": WHY, "torch.distributed.fsdp:FullyShardedDataParallel": WHY,
           "torch.distributed._composable.fsdp:fully_shard": WHY}
-
-
-def one_line(err: BaseException) -> str:
-    return jobkit.one_line(err, SUBMISSION[0])
 
 
 # --- models -----------------------------------------------------------------------------------------
@@ -210,7 +203,6 @@ def main() -> None:
     parser.add_argument("submission")
     parser.add_argument("--case-limit", type=float, default=20.0)
     args = parser.parse_args()
-    SUBMISSION[0] = os.path.abspath(args.submission)
     runtime.setup(seed=0)
     guard = CollectiveGuard()
     watchdog = jobkit.Watchdog("a deadlock (a collective some ranks call and others do not, e.g. a gather in "
@@ -218,25 +210,9 @@ def main() -> None:
     guard.install(FORBID)
     cases = plan()
     runtime.log(case="plan", cases={case: group for case, group, _ in cases})
-    with watchdog.case_limit("import", "import", args.case_limit):
-        try:
-            with guard.watching():
-                module = jobkit.load_submission(args.submission, "ex07_fsdp")
-            FSDP = getattr(module, "FSDP", None)
-            if not callable(FSDP):
-                raise AttributeError(f"{os.path.basename(args.submission)} defines no FSDP")
-        except BaseException as err:  # noqa: BLE001 - a broken submission is graded, not a grader crash
-            runtime.log(case="import", group="import", error=one_line(err))
-            runtime.teardown()
-            sys.exit(1)
-    for case, group, run in cases:
-        with watchdog.case_limit(case, group, args.case_limit):
-            try:
-                record = {"error": None, **run(FSDP, guard)}
-            except BaseException as err:  # noqa: BLE001 - SystemExit and friends are the submission's bugs too
-                record = {"error": one_line(err)}
-            runtime.log(case=case, group=group, forbidden_used=guard.forbidden_used, **record)
-    runtime.log(case="done")
+    module = jobkit.import_or_exit(args.submission, "ex07_fsdp", ["FSDP"], guard.watching, watchdog, args.case_limit)
+    jobkit.run_cases(cases, (module.FSDP, guard), watchdog, args.case_limit, args.submission,
+                     fields=lambda: {"forbidden_used": guard.forbidden_used})
     runtime.teardown()
 
 

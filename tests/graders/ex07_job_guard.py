@@ -4,7 +4,6 @@ torch's own sharding classes, and a count of the tensor bytes an object holds.
 Imported by ex07_sharded_optimizer_job.py and ex07_fsdp_job.py (beside it), on every rank.
 """
 import contextlib
-import functools
 
 import torch
 import torch.distributed as dist
@@ -24,23 +23,16 @@ GROUP_METHODS = {"allreduce": "all_reduce", "broadcast": "broadcast", "allgather
                  "_reduce_scatter_base": "reduce_scatter_tensor", "allreduce_coalesced": "all_reduce_coalesced"}
 
 
-def nbytes(obj) -> int:
-    """Bytes of a tensor, or of the tensors in a (nested) list."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(nbytes(o) for o in obj)
-    return 0
-
-
-class CollectiveGuard:
+class CollectiveGuard(jobkit.Guard):
     """Records {"op", "bytes"} for each outermost collective call while watching; refuses forbidden classes."""
 
     def __init__(self):
-        self.active, self.depth = False, 0
+        super().__init__()
         self.calls: list[dict] = []
         self.forbidden_used: list[str] = []
-        self.output = jobkit.CappedOutput()
+
+    def reset(self) -> None:
+        self.calls = []  # a fresh list each watch: summary() is of the last one
 
     def install(self, forbid: dict) -> None:
         """Wrap the collectives; forbid = {"module.path:Name": why} are replaced by classes that refuse to run."""
@@ -73,32 +65,15 @@ class CollectiveGuard:
         setattr(module, name, refuse)
 
     def _recorder(self, fn, name, skip_self=False):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if self.active and self.depth == 0:
-                given = args[1:] if skip_self else args
-                first = given[0] if given else next(iter(kwargs.values()), None)
-                # reduce_scatter_tensor(output, input): the input is the full buffer; record that
-                if name.startswith(("reduce_scatter", "_reduce_scatter")) and len(given) > 1:
-                    first = given[1]
-                self.calls.append({"op": name, "bytes": nbytes(first)})
-            self.depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.depth -= 1
+        def note(*args, **kwargs):
+            given = args[1:] if skip_self else args
+            first = given[0] if given else next(iter(kwargs.values()), None)
+            # reduce_scatter_tensor(output, input): the input is the full buffer; record that
+            if name.startswith(("reduce_scatter", "_reduce_scatter")) and len(given) > 1:
+                first = given[1]
+            self.calls.append({"op": name, "bytes": jobkit.nbytes(first)})
 
-        return wrapper
-
-    @contextlib.contextmanager
-    def watching(self):
-        """Run the submission: record its collectives (fresh list), cap what it prints."""
-        self.calls, self.active = [], True
-        try:
-            with self.output.capturing():
-                yield self
-        finally:
-            self.active = False
+        return self.wrap(fn, note)
 
     def summary(self) -> dict:
         """{op: [calls, bytes]} of the last watch."""

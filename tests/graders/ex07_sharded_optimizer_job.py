@@ -18,8 +18,6 @@ unsharded optimizer. The collectives are recorded during step() only.
 import argparse
 import copy
 import functools
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -31,13 +29,8 @@ from gpucourse import runtime
 
 STEPS = 4
 TOLERANCE = 1e-5
-SUBMISSION = [""]
 FORBID = {"torch.distributed.optim:ZeroRedundancyOptimizer": "write the sharding yourself",
           "torch.distributed.optim.zero_redundancy_optimizer:ZeroRedundancyOptimizer": "write the sharding yourself"}
-
-
-def one_line(err: BaseException) -> str:
-    return jobkit.one_line(err, SUBMISSION[0])
 
 
 # --- models -------------------------------------------------------------------------------------------
@@ -135,7 +128,6 @@ def main() -> None:
     parser.add_argument("submission")
     parser.add_argument("--case-limit", type=float, default=20.0)
     args = parser.parse_args()
-    SUBMISSION[0] = os.path.abspath(args.submission)
     runtime.setup(seed=0)
     guard = CollectiveGuard()
     watchdog = jobkit.Watchdog("a deadlock (a broadcast from a rank that the others do not expect, or "
@@ -143,25 +135,10 @@ def main() -> None:
     guard.install(FORBID)
     cases = plan()
     runtime.log(case="plan", cases={case: group for case, group, _ in cases})
-    with watchdog.case_limit("import", "import", args.case_limit):
-        try:
-            with guard.watching():
-                module = jobkit.load_submission(args.submission, "ex07_sharded_optimizer")
-            Sharded = getattr(module, "ShardedOptimizer", None)
-            if not callable(Sharded):
-                raise AttributeError(f"{os.path.basename(args.submission)} defines no ShardedOptimizer")
-        except BaseException as err:  # noqa: BLE001 - a broken submission is graded, not a grader crash
-            runtime.log(case="import", group="import", error=one_line(err))
-            runtime.teardown()
-            sys.exit(1)
-    for case, group, run in cases:
-        with watchdog.case_limit(case, group, args.case_limit):
-            try:
-                record = {"error": None, **run(Sharded, guard)}
-            except BaseException as err:  # noqa: BLE001 - SystemExit and friends are the submission's bugs too
-                record = {"error": one_line(err)}
-            runtime.log(case=case, group=group, forbidden_used=guard.forbidden_used, **record)
-    runtime.log(case="done")
+    module = jobkit.import_or_exit(args.submission, "ex07_sharded_optimizer", ["ShardedOptimizer"], guard.watching,
+                                   watchdog, args.case_limit)
+    jobkit.run_cases(cases, (module.ShardedOptimizer, guard), watchdog, args.case_limit, args.submission,
+                     fields=lambda: {"forbidden_used": guard.forbidden_used})
     runtime.teardown()
 
 

@@ -225,17 +225,8 @@ def main() -> None:
     runtime.log(case="plan", cases=cases, world_size=ctx.world_size)
     tracker = Tracker(ctx.rank)
     watchdog, capped = HangWatchdog(tracker), jobkit.CappedOutput()
-    with watchdog.case_limit("import", "import", args.case_limit):
-        try:
-            with capped.capturing():
-                module = jobkit.load_submission(args.submission, "ex08")
-            missing = [n for n in ("common_steps", "evaluate", "train") if not callable(getattr(module, n, None))]
-            if missing:
-                raise AttributeError(f"{os.path.basename(args.submission)} defines no function {', '.join(missing)}")
-        except BaseException as err:  # noqa: BLE001
-            runtime.log(case="import", group="import", error=jobkit.one_line(err, SUBMISSION[0]))
-            runtime.teardown()
-            sys.exit(1)
+    module = jobkit.import_or_exit(args.submission, "ex08", ("common_steps", "evaluate", "train"), capped.capturing,
+                                   watchdog, args.case_limit)
     tracker.install()
     for case, group in cases.items():
         with watchdog.case_limit(case, group, args.case_limit):

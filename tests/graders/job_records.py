@@ -3,8 +3,15 @@
 Every exNN_job.py logs `{"case": "plan", "cases": {case: group}}` first, `{"case": "import", "error": ...}`
 if the submission cannot be loaded, then one record per case and rank. The tests ask for a case's records
 and get one per rank, with a made-up record (and the reason) for a rank that ended during the case.
+
+A grader launches its job with `launch_jobs` (once per world size, side by side) in a module fixture and
+fails a test with `check` (the first failing case, one line).
 """
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+
+from gpucourse.launcher import launch
 
 
 class JobRecords:
@@ -46,3 +53,44 @@ class JobRecords:
             return {"case": case, "rank": rank, "peer_lost": True, "error": "stopped when another rank failed"}
         how = f"exit code {code}" if code is not None else "os._exit? a crash?"
         return {"case": case, "rank": rank, "ended": True, "error": f"the process ended during this case ({how})"}
+
+
+def launch_jobs(job_file, submission, world_sizes, *, name: str, case_limit: float, timeout: float,
+                stall_timeout: float, env: dict | None = None, extra_args=()) -> dict[int, JobRecords]:
+    """{world size: JobRecords}: the grading job launched once per world size, side by side (their start-up
+    waits overlap on two cores). `name` may hold `{world}`; the job gets the submission, --case-limit and
+    extra_args."""
+
+    def run(world: int) -> JobRecords:
+        args = [str(submission), "--case-limit", str(case_limit), *extra_args]
+        result = launch(job_file, nproc=world, args=args, name=name.format(world=world), timeout=timeout,
+                        stall_timeout=stall_timeout, env=env, check=False, live=False)
+        return JobRecords(result, world)
+
+    with ThreadPoolExecutor(len(world_sizes)) as pool:
+        return dict(zip(world_sizes, pool.map(run, world_sizes)))
+
+
+def check(jobs, cases, problem, worlds=None) -> None:
+    """Fail with the first failing case (one line, its most telling rank), counting the others.
+
+    jobs: one job's JobRecords, or {world size: JobRecords} (each failure then names its world size; `worlds`
+    picks some of them). cases: the case names, or a group's name (every case of that group the job planned).
+    problem(rec) -> None when a rank's record of a case is right, else why not. A rank that raised is
+    reported before one that was stopped because of it.
+    """
+    several = isinstance(jobs, dict)
+    failures = []
+    for job in [jobs[w] for w in (worlds or jobs)] if several else [jobs]:
+        for case in job.cases(cases) if isinstance(cases, str) else cases:
+            found = []
+            for rec in job.ranks(case):
+                why = rec.get("error") or problem(rec)
+                if why:
+                    found.append((bool(rec.get("peer_lost")), rec.get("rank", 0), why))
+            if found:
+                _, rank, why = min(found)
+                failures.append(f"{job.world} rank(s), " * several + f"{case}, rank {rank}: {why}")
+    if failures:
+        more = f" (and {len(failures) - 1} more failing case(s))" if len(failures) > 1 else ""
+        pytest.fail(failures[0] + more, pytrace=False)

@@ -3,8 +3,12 @@
 A submission must never be able to take the grading run down with it: its output is capped, each case
 runs under a watchdog that logs why and ends the rank when the case runs too long, and its exceptions
 are reported in one line pointing at the submission's own code.
+
+A job's main: log the plan, `import_or_exit` (the "import" record, or the module), `run_cases` (one record
+per case, then "done"). A job's Guard subclasses `Guard`: which torch.distributed calls it notes.
 """
 import contextlib
+import functools
 import importlib.util
 import io
 import os
@@ -13,6 +17,8 @@ import sys
 import threading
 import time
 import traceback
+
+import torch
 
 from gpucourse import runtime
 
@@ -26,6 +32,49 @@ def load_submission(path: str, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def import_or_exit(path: str, name: str, wanted, watching, watchdog: "Watchdog", limit: float, *,
+                   fields=dict):
+    """The submission as a module, loaded under the watchdog's "import" case with `watching()` on (the guard:
+    what it does at import is recorded and what it prints capped). It must define the `wanted` callables.
+
+    Anything else (a crash, a missing name) is logged as the "import" record, with fields(), and ends the rank:
+    the grader then reports that the submission could not be loaded, and why.
+    """
+    with watchdog.case_limit("import", "import", limit):
+        try:
+            with watching():
+                module = load_submission(path, name)
+            missing = [n for n in wanted if not callable(getattr(module, n, None))]
+            if missing:
+                raise AttributeError(f"{os.path.basename(path)} defines no {' or '.join(missing)}")
+        except BaseException as err:  # noqa: BLE001 - a broken submission is graded, not a grader crash
+            runtime.log(case="import", group="import", error=one_line(err, os.path.abspath(path)), **fields())
+            runtime.teardown()
+            sys.exit(1)
+    return module
+
+
+def run_cases(cases, args: tuple, watchdog: "Watchdog", limit: float, submission: str, *, fields=dict,
+              between=None) -> None:
+    """Run each (case, group, run) as run(*args) under the watchdog's limit; log one record per case, then "done".
+
+    A case's record is what run returned, with "error": None, or {"error": one line} for an exception of any
+    kind (SystemExit and friends are the submission's bugs too). fields() adds the job's own fields, read
+    after the case (e.g. whether a forbidden class was used); the case's own fields win. between(), if given,
+    runs after each record, still under the case's limit (e.g. a barrier that lines the ranks up again).
+    """
+    for case, group, run in cases:
+        with watchdog.case_limit(case, group, limit):
+            try:
+                record = {"error": None, **run(*args)}
+            except BaseException as err:  # noqa: BLE001
+                record = {"error": one_line(err, os.path.abspath(submission))}
+            runtime.log(case=case, group=group, **{**fields(), **record})
+            if between is not None:
+                between()
+    runtime.log(case="done")
 
 
 def one_line(err: BaseException, submission: str) -> str:
@@ -57,6 +106,54 @@ class CappedOutput(io.TextIOBase):
     def capturing(self):
         with contextlib.redirect_stdout(self), contextlib.redirect_stderr(self):
             yield
+
+
+def nbytes(obj) -> int:
+    """Bytes of a tensor, or of the tensors in a (nested) list or tuple; 0 for anything else."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(o) for o in obj)
+    return 0
+
+
+class Guard:
+    """Runs the submission while `watching()`: what it prints is capped, and the calls it makes to the functions
+    wrapped with `wrap` are noted. Only its own, outermost calls: dist.all_reduce, not also the process group
+    call inside it. A job's guard says what to note (the `note` it wraps with) and what a new watch forgets."""
+
+    def __init__(self):
+        self.active, self.depth = False, 0
+        self.output = CappedOutput()
+
+    def wrap(self, fn, note):
+        """fn, calling note(*args, **kwargs) first when the watched submission calls it (the outermost call)."""
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if self.active and self.depth == 0:
+                note(*args, **kwargs)
+            self.depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+
+        return wrapper
+
+    def reset(self) -> None:
+        """Forget what the last watch noted, at the start of a new one (nothing to forget here)."""
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Run the submission: note its calls (after reset()), cap what it prints."""
+        self.reset()
+        self.active = True
+        try:
+            with self.output.capturing():
+                yield self
+        finally:
+            self.active = False
 
 
 class Watchdog:

@@ -5,15 +5,12 @@ the submission and PyTorch's own dist.all_reduce (ex01_job.py); the tests below 
 Every test also requires point-to-point only: a collective anywhere scores zero.
 """
 import math
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from gpucourse import costs
-from gpucourse.launcher import launch
-
-from .job_records import JobRecords
+from .job_records import JobRecords, launch_jobs
 
 pytestmark = pytest.mark.grader
 
@@ -30,18 +27,12 @@ def jobs(submission) -> dict[int, JobRecords]:
     """{world size: Job}, launched once for the module. The 1-3 rank jobs run side by side (their start-up
     waits overlap on two cores); the 4-rank job runs alone afterwards, because it times bandwidth."""
 
-    def run(world: int) -> JobRecords:
-        args = [str(submission), "--case-limit", str(CASE_LIMIT_S)]
-        args += ["--bandwidth"] if world == BANDWIDTH_WORLD else []
-        result = launch(JOB, nproc=world, args=args, name=f"grade-ex01-w{world}", timeout=JOB_TIMEOUT_S,
-                        stall_timeout=6 * CASE_LIMIT_S, check=False, live=False)
-        return JobRecords(result, world)
+    def run(worlds, extra_args=()) -> dict[int, JobRecords]:
+        return launch_jobs(JOB, submission, worlds, name="grade-ex01-w{world}", case_limit=CASE_LIMIT_S,
+                           timeout=JOB_TIMEOUT_S, stall_timeout=6 * CASE_LIMIT_S, extra_args=extra_args)
 
-    side_by_side = [w for w in WORLD_SIZES if w != BANDWIDTH_WORLD]
-    with ThreadPoolExecutor(len(side_by_side)) as pool:
-        out = dict(zip(side_by_side, pool.map(run, side_by_side)))
-    out[BANDWIDTH_WORLD] = run(BANDWIDTH_WORLD)
-    return out
+    out = run([w for w in WORLD_SIZES if w != BANDWIDTH_WORLD])
+    return out | run([BANDWIDTH_WORLD], ["--bandwidth"])
 
 
 # --- what makes one rank's record of one case wrong (None when it is right) ------------------------

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucourse.launcher import launch
-
-from .job_records import JobRecords
+from .job_records import JobRecords, check, launch_jobs
 
 pytestmark = pytest.mark.grader
 
@@ -33,30 +31,8 @@ FORBIDDEN_MODULES = ("torch.nn.parallel", "torch.distributed.fsdp", "torch.distr
 
 @pytest.fixture(scope="module")
 def job(submission) -> JobRecords:
-    result = launch(JOB, nproc=WORLD, args=[str(submission), "--case-limit", str(CASE_LIMIT_S)],
-                    name="grade-ex02", timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S, check=False, live=False)
-    return JobRecords(result, WORLD)
-
-
-def check(job: JobRecords, cases: list[str], problem) -> None:
-    """Fail with the first failing case (one line, its most telling rank), counting the others.
-
-    problem(rec) -> None when a rank's record of a case is right, else why not. A rank that raised is
-    reported before one that was stopped because of it.
-    """
-    failures = []
-    for case in cases:
-        found = []
-        for rec in job.ranks(case):
-            why = rec.get("error") or problem(rec)
-            if why:
-                found.append((bool(rec.get("peer_lost")), rec.get("rank", 0), why))
-        if found:
-            _, rank, why = min(found)
-            failures.append(f"{case}, rank {rank}: {why}")
-    if failures:
-        more = f" (and {len(failures) - 1} more failing case(s))" if len(failures) > 1 else ""
-        pytest.fail(failures[0] + more, pytrace=False)
+    return launch_jobs(JOB, submission, [WORLD], name="grade-ex02", case_limit=CASE_LIMIT_S, timeout=JOB_TIMEOUT_S,
+                       stall_timeout=3 * CASE_LIMIT_S)[WORLD]
 
 
 # --- what makes one rank's record of a case wrong (None when it is right) ---------------------------

@@ -6,14 +6,11 @@ edge cases, and drives a few DistributedDataParallel steps with the submission's
 compare every rank's values with the reference below.
 """
 import math
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from gpucourse.launcher import launch
-
-from .job_records import JobRecords
+from .job_records import JobRecords, check, launch_jobs
 
 pytestmark = pytest.mark.grader
 
@@ -52,21 +49,13 @@ def call(fn, kwargs, step=None) -> str:
 @pytest.fixture(scope="module")
 def jobs(submission) -> dict[int, JobRecords]:
     """{world size: JobRecords}: the three jobs run side by side (their start-up waits overlap)."""
-
-    def run(world: int) -> JobRecords:
-        args = [str(submission), "--batch-per-rank", str(BATCH_PER_RANK), "--case-limit", str(CASE_LIMIT_S)]
-        result = launch(JOB, nproc=world, args=args, name=f"grade-ex04-w{world}", timeout=JOB_TIMEOUT_S,
-                        stall_timeout=4 * CASE_LIMIT_S, check=False, live=False)
-        return JobRecords(result, world)
-
-    with ThreadPoolExecutor(len(WORLD_SIZES)) as pool:
-        return dict(zip(WORLD_SIZES, pool.map(run, WORLD_SIZES)))
+    return launch_jobs(JOB, submission, WORLD_SIZES, name="grade-ex04-w{world}", case_limit=CASE_LIMIT_S,
+                       timeout=JOB_TIMEOUT_S, stall_timeout=4 * CASE_LIMIT_S,
+                       extra_args=["--batch-per-rank", str(BATCH_PER_RANK)])
 
 
-# --- what is wrong with one rank's record (None when it is right) ---------------------------------
+# --- what is wrong with one rank's record (None when it is right; check() reports its error first) ---
 def value_problem(rec) -> str | None:
-    if rec.get("error"):
-        return rec["error"]
     kwargs = rec["kwargs"]
     if rec["fn"] == "scaled_lr":
         want, got = reference_scaled(**kwargs), rec["values"][0]
@@ -79,8 +68,6 @@ def value_problem(rec) -> str | None:
 
 
 def raises_problem(rec) -> str | None:
-    if rec.get("error"):
-        return rec["error"]
     if rec["value_error"]:
         return None
     args = call(rec["fn"], rec["kwargs"], rec.get("step")) if rec["fn"] != "warmup_scheduler" else \
@@ -94,8 +81,6 @@ def scheduler_problem(group: int):
     """Parameter group `group`'s lr at every step must be its initial lr times warmup_lr(step) / base_lr."""
 
     def problem(rec) -> str | None:
-        if rec.get("error"):
-            return rec["error"]
         kwargs, ratio = rec["kwargs"], rec["group_lr_ratio"][group]
         for step, lrs in zip(rec["steps"], rec["group_lrs"]):
             want = ratio * reference_warmup(step, **kwargs)
@@ -108,90 +93,75 @@ def scheduler_problem(group: int):
     return problem
 
 
-def check(jobs, group: str, problem) -> None:
-    """Fail with the first failing case and rank (one line), counting the others."""
-    failures = []
-    for job in jobs:
-        for case in job.cases(group):
-            for rank, rec in enumerate(job.ranks(case)):
-                why = problem(rec)
-                if why:
-                    failures.append(f"{job.world} rank(s), rank {rank}, case {case}: {why}")
-                    break
-    if failures:
-        more = f" (and {len(failures) - 1} more failing case(s))" if len(failures) > 1 else ""
-        pytest.fail(failures[0] + more, pytrace=False)
-
-
 # --- the tests ------------------------------------------------------------------------------------
 @pytest.mark.points(2)
 def test_scaled_lr(jobs):
     """k = global_batch / base_batch times base_lr: this job's k, Goyal et al.'s 8192/256, k < 1, k = 7/3."""
-    check(jobs.values(), "scaled", value_problem)
+    check(jobs, "scaled", value_problem)
 
 
 @pytest.mark.points(1)
 def test_warmup_starts_at_base_lr(jobs):
     """Step 0 of the warmup uses base_lr (Goyal et al. warm up from η, not from 0)."""
-    check(jobs.values(), "start", value_problem)
+    check(jobs, "start", value_problem)
 
 
 @pytest.mark.points(2)
 def test_linear_ramp_reaches_the_scaled_lr_at_warmup_steps(jobs):
     """Linear in the step during warmup, exactly the scaled rate at step == warmup_steps, constant after."""
-    check(jobs.values(), "ramp", value_problem)
+    check(jobs, "ramp", value_problem)
 
 
 @pytest.mark.points(1)
 def test_no_warmup(jobs):
     """warmup_steps=0: the scaled rate from step 0."""
-    check(jobs.values(), "no-warmup", value_problem)
+    check(jobs, "no-warmup", value_problem)
 
 
 @pytest.mark.points(1)
 def test_same_batch_is_constant(jobs):
     """k = 1 (global batch = base batch): base_lr at every step, warmup or not."""
-    check(jobs.values(), "k1", value_problem)
+    check(jobs, "k1", value_problem)
 
 
 @pytest.mark.points(1)
 def test_smaller_global_batch_never_warms_up_above_target(jobs):
     """k < 1: the scaled (smaller) rate from step 0; warmup never exceeds the target."""
-    check(jobs.values(), "smaller", value_problem)
+    check(jobs, "smaller", value_problem)
 
 
 @pytest.mark.points(2)
 def test_cosine_decay_after_warmup(jobs):
     """With total_steps: the scaled rate at the end of warmup, half of it midway, 0 at total_steps."""
-    check(jobs.values(), "cosine", value_problem)
+    check(jobs, "cosine", value_problem)
 
 
 @pytest.mark.points(1)
 def test_scaled_lr_rejects_invalid_arguments(jobs):
     """base_lr 0, negative, nan or inf; batches 0, negative, float or bool: ValueError."""
-    check(jobs.values(), "invalid-scaled", raises_problem)
+    check(jobs, "invalid-scaled", raises_problem)
 
 
 @pytest.mark.points(1)
 def test_warmup_lr_rejects_invalid_arguments(jobs):
     """Negative or fractional step and warmup_steps, total_steps <= warmup_steps, step > total_steps: ValueError."""
-    check(jobs.values(), "invalid-warmup", raises_problem)
+    check(jobs, "invalid-warmup", raises_problem)
 
 
 @pytest.mark.points(1)
 def test_warmup_scheduler_rejects_invalid_arguments_when_created(jobs):
     """warmup_scheduler(optimizer, ...) with invalid arguments raises ValueError right away."""
-    check(jobs.values(), "invalid-sched", raises_problem)
+    check(jobs, "invalid-sched", raises_problem)
 
 
 @pytest.mark.points(1)
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_scheduler_drives_ddp_training(jobs, world):
     """A real DDP job on `world` ranks: the optimizer's lr at every step is warmup_lr(step), on every rank."""
-    check([jobs[world]], "ddp", scheduler_problem(0))
+    check(jobs, "ddp", scheduler_problem(0), [world])
 
 
 @pytest.mark.points(1)
 def test_scheduler_scales_each_param_group(jobs):
     """A parameter group created with lr=base_lr/10 gets a tenth of warmup_lr(step) (LambdaLR's factor)."""
-    check(jobs.values(), "ddp", scheduler_problem(1))
+    check(jobs, "ddp", scheduler_problem(1))

@@ -10,14 +10,11 @@ every case on the submission; the tests below read their records. What is checke
 - n_micro < 1, and a batch not divisible by n_micro, raise ValueError;
 - only point-to-point communication: no torch.distributed collective is called, and send/recv are.
 """
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from gpucourse.launcher import launch
-
-from .job_records import JobRecords
+from .job_records import JobRecords, check, launch_jobs
 
 pytestmark = pytest.mark.grader
 
@@ -31,32 +28,8 @@ TOLERANCE = 1e-5  # float32; the reference reaches ~1e-8
 @pytest.fixture(scope="module")
 def jobs(submission) -> dict[int, JobRecords]:
     """{number of stages: JobRecords}: the two jobs run side by side (their start-up waits overlap)."""
-
-    def run(world: int) -> JobRecords:
-        result = launch(JOB, nproc=world, args=[str(submission), "--case-limit", str(CASE_LIMIT_S)],
-                        name=f"grade-ex05-p{world}", timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S,
-                        env={"OMP_NUM_THREADS": "1"}, check=False, live=False)
-        return JobRecords(result, world)
-
-    with ThreadPoolExecutor(len(WORLD_SIZES)) as pool:
-        return dict(zip(WORLD_SIZES, pool.map(run, WORLD_SIZES)))
-
-
-def check(job: JobRecords, cases: list[str], problem) -> None:
-    """Fail with the first failing case (one line, its most telling rank), counting the others."""
-    failures = []
-    for case in cases:
-        found = []
-        for rec in job.ranks(case):
-            why = rec.get("error") or problem(rec)
-            if why:
-                found.append((bool(rec.get("peer_lost")), rec.get("rank", 0), why))
-        if found:
-            _, rank, why = min(found)
-            failures.append(f"{case}, rank {rank}: {why}")
-    if failures:
-        more = f" (and {len(failures) - 1} more failing case(s))" if len(failures) > 1 else ""
-        pytest.fail(failures[0] + more, pytrace=False)
+    return launch_jobs(JOB, submission, WORLD_SIZES, name="grade-ex05-p{world}", case_limit=CASE_LIMIT_S,
+                       timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S, env={"OMP_NUM_THREADS": "1"})
 
 
 # --- what makes one rank's record wrong (None when it is right) -----------------------------------

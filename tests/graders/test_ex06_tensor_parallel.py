@@ -12,14 +12,11 @@ outputs and gradients with the dense layers' (or the matching slices). What is c
 - sizes the group does not divide raise ValueError naming both sizes;
 - 4 ranks as two tensor-parallel groups of 2: the layers use their group, not the whole world.
 """
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from gpucourse.launcher import launch
-
-from .job_records import JobRecords
+from .job_records import JobRecords, check, launch_jobs
 
 pytestmark = pytest.mark.grader
 
@@ -32,15 +29,8 @@ JOB_TIMEOUT_S = 150
 @pytest.fixture(scope="module")
 def jobs(submission) -> dict[int, JobRecords]:
     """{world size: JobRecords}: the three jobs run side by side (their start-up waits overlap)."""
-
-    def run(world: int) -> JobRecords:
-        result = launch(JOB, nproc=world, args=[str(submission), "--case-limit", str(CASE_LIMIT_S)],
-                        name=f"grade-ex06-w{world}", timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S,
-                        env={"OMP_NUM_THREADS": "1"}, check=False, live=False)
-        return JobRecords(result, world)
-
-    with ThreadPoolExecutor(len(WORLD_SIZES)) as pool:
-        return dict(zip(WORLD_SIZES, pool.map(run, WORLD_SIZES)))
+    return launch_jobs(JOB, submission, WORLD_SIZES, name="grade-ex06-w{world}", case_limit=CASE_LIMIT_S,
+                       timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S, env={"OMP_NUM_THREADS": "1"})
 
 
 # --- what makes one rank's record of a case wrong (None when it is right) ---------------------------
@@ -64,25 +54,6 @@ def collectives_problem(rec) -> str | None:
             return (f"ParallelMLP's {phase} all_reduce moved a {calls[0]['bytes']}-byte tensor; expected the "
                     f"activations, batch × seq × hidden × 4 = {size} bytes")
     return None
-
-
-def check(jobs, group: str, problem, worlds=WORLD_SIZES) -> None:
-    """Fail with the first failing case and rank (one line, a rank that raised before one that was stopped)."""
-    failures = []
-    for world in worlds:
-        job = jobs[world]
-        for case in job.cases(group):
-            found = []
-            for rec in job.ranks(case):
-                why = rec.get("error") or problem(rec)
-                if why:
-                    found.append((bool(rec.get("peer_lost")), rec.get("rank", 0), why))
-            if found:
-                _, rank, why = min(found)
-                failures.append(f"{world} rank(s), case {case}, rank {rank}: {why}")
-    if failures:
-        more = f" (and {len(failures) - 1} more failing case(s))" if len(failures) > 1 else ""
-        pytest.fail(failures[0] + more, pytrace=False)
 
 
 # --- the tests ------------------------------------------------------------------------------------

@@ -11,14 +11,11 @@ the submission; the tests read their records. What is checked:
 - torch's FSDP is not used.
 """
 import ast
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from gpucourse.launcher import launch
-
-from .job_records import JobRecords
+from .job_records import JobRecords, check, launch_jobs
 
 pytestmark = pytest.mark.grader
 
@@ -31,32 +28,8 @@ FORBIDDEN = {"fully_shard", "FullyShardedDataParallel"}
 
 @pytest.fixture(scope="module")
 def jobs(submission) -> dict[int, JobRecords]:
-    def run(world: int) -> JobRecords:
-        result = launch(JOB, nproc=world, args=[str(submission), "--case-limit", str(CASE_LIMIT_S)],
-                        name=f"grade-ex07-fsdp-w{world}", timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S,
-                        env={"OMP_NUM_THREADS": "1"}, check=False, live=False)
-        return JobRecords(result, world)
-
-    with ThreadPoolExecutor(len(WORLD_SIZES)) as pool:
-        return dict(zip(WORLD_SIZES, pool.map(run, WORLD_SIZES)))
-
-
-def check(jobs, cases: list[str], problem, worlds=WORLD_SIZES) -> None:
-    """Fail with the first failing (world size, case, rank), one line; a rank that raised before a stopped one."""
-    failures = []
-    for world in worlds:
-        for case in cases:
-            found = []
-            for rec in jobs[world].ranks(case):
-                why = rec.get("error") or problem(rec)
-                if why:
-                    found.append((bool(rec.get("peer_lost")), rec.get("rank", 0), why))
-            if found:
-                _, rank, why = min(found)
-                failures.append(f"{world} rank(s), {case}, rank {rank}: {why}")
-    if failures:
-        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        pytest.fail(failures[0] + more, pytrace=False)
+    return launch_jobs(JOB, submission, WORLD_SIZES, name="grade-ex07-fsdp-w{world}", case_limit=CASE_LIMIT_S,
+                       timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S, env={"OMP_NUM_THREADS": "1"})
 
 
 # --- what makes one rank's record wrong (None when right) --------------------------------------------

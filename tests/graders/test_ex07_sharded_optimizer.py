@@ -9,14 +9,11 @@ every case on the submission; the tests read their records. What is checked:
 - torch's ZeroRedundancyOptimizer is not used.
 """
 import ast
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from gpucourse.launcher import launch
-
-from .job_records import JobRecords
+from .job_records import JobRecords, check, launch_jobs
 
 pytestmark = pytest.mark.grader
 
@@ -30,32 +27,8 @@ STATE_SLACK = 256  # bytes: per-parameter step counters and the like
 
 @pytest.fixture(scope="module")
 def jobs(submission) -> dict[int, JobRecords]:
-    def run(world: int) -> JobRecords:
-        result = launch(JOB, nproc=world, args=[str(submission), "--case-limit", str(CASE_LIMIT_S)],
-                        name=f"grade-ex07-sharded-w{world}", timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S,
-                        env={"OMP_NUM_THREADS": "1"}, check=False, live=False)
-        return JobRecords(result, world)
-
-    with ThreadPoolExecutor(len(WORLD_SIZES)) as pool:
-        return dict(zip(WORLD_SIZES, pool.map(run, WORLD_SIZES)))
-
-
-def check(jobs, cases: list[str], problem) -> None:
-    """Fail with the first failing (world size, case, rank), one line; a rank that raised before a stopped one."""
-    failures = []
-    for world, job in jobs.items():
-        for case in cases:
-            found = []
-            for rec in job.ranks(case):
-                why = rec.get("error") or problem(rec)
-                if why:
-                    found.append((bool(rec.get("peer_lost")), rec.get("rank", 0), why))
-            if found:
-                _, rank, why = min(found)
-                failures.append(f"{world} ranks, {case}, rank {rank}: {why}")
-    if failures:
-        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        pytest.fail(failures[0] + more, pytrace=False)
+    return launch_jobs(JOB, submission, WORLD_SIZES, name="grade-ex07-sharded-w{world}", case_limit=CASE_LIMIT_S,
+                       timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S, env={"OMP_NUM_THREADS": "1"})
 
 
 # --- what makes one rank's record wrong (None when right) --------------------------------------------

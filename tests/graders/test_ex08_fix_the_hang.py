@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucourse.launcher import launch
-
-from .job_records import JobRecords
+from .job_records import JobRecords, launch_jobs
 
 pytestmark = pytest.mark.grader
 
@@ -30,10 +28,8 @@ TOLERANCE = 1e-5  # float32, 4 steps; the reference solution reaches ~1e-7
 
 @pytest.fixture(scope="module")
 def job(submission) -> JobRecords:
-    result = launch(JOB, nproc=WORLD, args=[str(submission), "--case-limit", str(CASE_LIMIT_S)], name="grade-ex08",
-                    timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S, check=False, live=False,
-                    env={"OMP_NUM_THREADS": "1"})
-    return JobRecords(result, WORLD)
+    return launch_jobs(JOB, submission, [WORLD], name="grade-ex08", case_limit=CASE_LIMIT_S, timeout=JOB_TIMEOUT_S,
+                       stall_timeout=3 * CASE_LIMIT_S, env={"OMP_NUM_THREADS": "1"})[WORLD]
 
 
 WAITING = "returned from the submission"  # what a rank that finished the case says while it waits for the others

@@ -97,18 +97,7 @@ class Scaled(nn.Module):
         return self.lin(x) * scale
 
 
-class TiedLM(nn.Module):
-    """An embedding whose weight is also the output layer's: one parameter used twice."""
-
-    def __init__(self, vocab=32, dim=16):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.hidden = nn.Linear(dim, dim)
-        self.out = nn.Linear(dim, vocab, bias=False)
-        self.out.weight = self.emb.weight
-
-    def forward(self, ids):
-        return self.out(torch.tanh(self.hidden(self.emb(ids))))
+TiedLM = jobkit.TiedLM
 
 
 class WithBuffers(nn.Module):

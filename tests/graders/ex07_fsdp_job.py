@@ -50,17 +50,7 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 11), nn.Tanh(), nn.Linear(11, 3))
 
 
-class TiedLM(nn.Module):
-    def __init__(self, vocab=30, dim=10):
-        super().__init__()
-        torch.manual_seed(2)
-        self.emb = nn.Embedding(vocab, dim)
-        self.hidden = nn.Linear(dim, dim)
-        self.out = nn.Linear(dim, vocab, bias=False)
-        self.out.weight = self.emb.weight
-
-    def forward(self, ids):
-        return self.out(torch.tanh(self.hidden(self.emb(ids))))
+TiedLM = functools.partial(jobkit.TiedLM, vocab=30, dim=10, seed=2)
 
 
 def data(model: str):

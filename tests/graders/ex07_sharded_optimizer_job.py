@@ -41,17 +41,7 @@ def mlp() -> nn.Module:
     return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(16, 16), nn.Tanh())])
 
 
-class TiedLM(nn.Module):
-    def __init__(self, vocab=32, dim=16):
-        super().__init__()
-        torch.manual_seed(2)
-        self.emb = nn.Embedding(vocab, dim)
-        self.hidden = nn.Linear(dim, dim)
-        self.out = nn.Linear(dim, vocab, bias=False)
-        self.out.weight = self.emb.weight
-
-    def forward(self, ids):
-        return self.out(torch.tanh(self.hidden(self.emb(ids))))
+TiedLM = functools.partial(jobkit.TiedLM, vocab=32, dim=16, seed=2)
 
 
 def batch(model: str):

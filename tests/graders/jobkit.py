@@ -180,3 +180,19 @@ class Watchdog:
                             error=f"did not finish within {self.limit:g} s: {self.reason}")
                 sys.__stdout__.flush()
                 os._exit(3)
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding whose weight is also the output layer's: one parameter used twice (graders' tied case)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, seed: int | None = None):
+        super().__init__()
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.hidden = torch.nn.Linear(dim, dim)
+        self.out = torch.nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.hidden(self.emb(ids))))

@@ -12,9 +12,11 @@ $GPUCOURSE_RUN_DIR) and under plain `torchrun` (it then picks `runs/<script>-<ru
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import platform
 import random
 import sys
 import threading
@@ -102,6 +104,59 @@ def _watch_parent(interval: float = 0.5) -> None:
     threading.Thread(target=watch, name="gpucourse-parent-watchdog", daemon=True).start()
 
 
+FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+
+
+def _gloo_workers_idle() -> bool | None:
+    """True when every gloo worker thread of this process sleeps in an untimed wait; None if Linux can't tell.
+
+    An idle worker waits on its queue's condition variable: futex with no timeout (5th field of
+    /proc/<tid>/syscall is 0). A worker still running, or waiting for the GIL (Python's take_gil waits
+    in 5 ms timed slices), shows otherwise.
+    """
+    tasks = Path("/proc/self/task")
+    if FUTEX_SYSCALL is None or not tasks.is_dir():
+        return None
+    try:
+        for task in tasks.iterdir():
+            if (task / "comm").read_text().strip() != GLOO_WORKER_THREAD:
+                continue
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            call = (task / "syscall").read_text().split()
+            if state != "S" or call[0] != str(FUTEX_SYSCALL) or int(call[4], 16) != 0:
+                return False
+    except (OSError, IndexError, ValueError):  # a thread ended while we read, or /proc is restricted
+        return None
+    return True
+
+
+def wait_for_gloo_workers(timeout_s: float = 10.0) -> bool:
+    """Release the GIL until gloo's worker threads are idle (at most `timeout_s`). True if they are.
+
+    Why: a gloo worker thread destroys each finished collective's work object itself. If the work held
+    the last reference to a tensor that Python had already dropped, that destructor needs the GIL. Once
+    the interpreter is finalizing, a thread asking for the GIL is ended with pthread_exit, whose unwind
+    through a noexcept C++ destructor calls std::terminate: the process aborts with "terminate called
+    without an active exception" *after* the script's work is done (gdb on the core: ~AsyncAllgatherWork
+    -> decref_pyobject -> take_gil -> pthread_exit in ProcessGroupGloo::runLoop). destroy_process_group()
+    does not stop the workers while DDP (or anything else) still references the group, so the race
+    stays open until exit. Waiting here, before finalization starts, closes it.
+    """
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while time.monotonic() < deadline:
+        idle = _gloo_workers_idle()
+        if idle is None:  # cannot look: give the workers a moment with the GIL released
+            time.sleep(0.05)
+            return False
+        quiet = quiet + 1 if idle else 0
+        if quiet >= 3:  # idle on three looks in a row, a few ms apart
+            return True
+        time.sleep(0.002)
+    return False
+
+
 def _record_uncaught_exceptions() -> None:
     """Write an uncaught exception to torchrun's per-rank error file, so the launcher can name the root cause.
 
@@ -149,6 +204,8 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
     world_size, local_world = _env_int("WORLD_SIZE", 1), _env_int("LOCAL_WORLD_SIZE", 1)
     _watch_parent()
     _record_uncaught_exceptions()
+    atexit.unregister(wait_for_gloo_workers)  # once per process, however often setup() runs
+    atexit.register(wait_for_gloo_workers)  # runs before finalization: see wait_for_gloo_workers
     backend = choose_backend(local_world)
     device = torch.device("cuda", local_rank) if backend == "nccl" else _choose_device(backend, local_rank)
     if device.type == "cuda":

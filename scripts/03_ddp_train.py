@@ -29,7 +29,8 @@ parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps
 parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
 parser.add_argument("--hidden", type=int, default=512, help="width of every layer")
 parser.add_argument("--layers", type=int, default=6, help="hidden x hidden Linear layers")
-parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size (its default: 25)")
+parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                    help="DDP's bucket cap, passed explicitly (torch's default, None, is 25 with a 1 MiB first bucket)")
 which = parser.add_mutually_exclusive_group()
 which.add_argument("--no-overlap", action="store_true", help="all-reduce the buckets after backward")
 which.add_argument("--no-ddp", action="store_true", help="no gradient synchronisation at all")

@@ -304,3 +304,58 @@ def state_bytes_per_param(optimizer="adam", precision="mixed"):
     if precision == "mixed":
         return {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 4 + states}
     return {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": states}
+
+
+# --- 7. Peak FLOP/s and model FLOPs utilisation ----------------------------
+
+# Dense (no structured sparsity) peak TFLOP/s per device, keyed by the exact name torch.cuda.get_device_name()
+# returns. Datasheets print tensor-core rates "with sparsity"; the dense rate is half of that. Variants of one
+# chip differ (H100 SXM, PCIe and NVL have different clocks, power and SM counts), so names are never matched
+# by substring: an unknown name is an error, not the nearest guess.
+_H100_SXM = {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9, "fp8": 1978.9}
+_A100 = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}
+_SOURCES = {
+    "h100": "NVIDIA H100 Tensor Core GPU datasheet (SXM, PCIe and NVL columns; sparse rates halved)",
+    "h200": "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column; same compute as H100 SXM)",
+    "a100": "NVIDIA A100 Tensor Core GPU datasheet (SXM4 and PCIe; sparse rates halved)",
+    "l4": "NVIDIA L4 Tensor Core GPU datasheet (sparse rates halved)",
+    "t4": "NVIDIA T4 Tensor Core GPU datasheet (no bf16 or tf32 tensor cores)",
+}
+PEAK_DENSE_TFLOPS = {
+    "NVIDIA H100 80GB HBM3": (_H100_SXM, _SOURCES["h100"]),
+    "NVIDIA H100 PCIe": ({"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2, "fp8": 1513.0}, _SOURCES["h100"]),
+    "NVIDIA H100 NVL": ({"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0, "fp8": 1670.5}, _SOURCES["h100"]),
+    "NVIDIA H200": (_H100_SXM, _SOURCES["h200"]),
+    "NVIDIA A100-SXM4-80GB": (_A100, _SOURCES["a100"]),
+    "NVIDIA A100-SXM4-40GB": (_A100, _SOURCES["a100"]),
+    "NVIDIA A100 80GB PCIe": (_A100, _SOURCES["a100"]),
+    "NVIDIA A100-PCIE-40GB": (_A100, _SOURCES["a100"]),
+    "NVIDIA L4": ({"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3, "fp8": 242.5}, _SOURCES["l4"]),
+    "Tesla T4": ({"fp16": 65.0, "fp32": 8.1}, _SOURCES["t4"]),
+}
+
+
+def peak_flops(device_name, dtype="bf16"):
+    """Dense peak FLOP/s of one device for `dtype` ('bf16', 'fp16', 'tf32', 'fp32', 'fp8'), from its datasheet.
+
+    `device_name` is exactly what torch.cuda.get_device_name() returns. A device the table does not know, or a
+    dtype the device has no rate for, raises ValueError telling the caller to pass the peak themselves.
+    """
+    if device_name not in PEAK_DENSE_TFLOPS:
+        raise ValueError(f"no datasheet peak for {device_name!r} (known: {', '.join(sorted(PEAK_DENSE_TFLOPS))}): "
+                         "look up its dense peak for your dtype and pass it yourself")
+    rates, _ = PEAK_DENSE_TFLOPS[device_name]
+    _require(dtype in rates, f"{device_name} has no {dtype!r} rate in its datasheet (it has {', '.join(rates)}): "
+                             "choose one of those dtypes or pass the peak yourself")
+    return rates[dtype] * 1e12
+
+
+def mfu(achieved_flops_per_second, device_name, dtype="bf16", n_devices=1):
+    """Model FLOPs utilisation: achieved *model* FLOP/s over the devices' total dense peak (0..1).
+
+    Count only the model's own arithmetic (e.g. 6N + attention per token); recomputation counts in hardware
+    FLOPs utilisation, not here (Chowdhery et al. 2022, appendix B).
+    """
+    _check_nonneg(achieved_flops_per_second, "achieved_flops_per_second")
+    _require(isinstance(n_devices, int) and n_devices >= 1, f"n_devices must be a whole number >= 1, got {n_devices!r}")
+    return achieved_flops_per_second / (peak_flops(device_name, dtype) * n_devices)

@@ -268,3 +268,21 @@ def test_module_imports_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=costs.__file__.rsplit("/gpucourse/", 1)[0], check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_peak_flops_uses_exact_device_names_and_dense_rates():
+    assert costs.peak_flops("NVIDIA H100 80GB HBM3") == pytest.approx(989.4e12)
+    assert costs.peak_flops("NVIDIA H100 PCIe") == pytest.approx(756e12)
+    assert costs.peak_flops("NVIDIA H100 NVL") == pytest.approx(835.5e12)  # not the SXM figure
+    assert costs.peak_flops("NVIDIA A100-SXM4-80GB", "tf32") == pytest.approx(156e12)
+    with pytest.raises(ValueError, match="no datasheet peak for 'NVIDIA H100'.*pass it yourself"):
+        costs.peak_flops("NVIDIA H100")  # a prefix is not a device
+    with pytest.raises(ValueError, match="Tesla T4 has no 'bf16' rate"):
+        costs.peak_flops("Tesla T4", "bf16")
+
+
+def test_mfu_divides_by_the_total_dense_peak():
+    assert costs.mfu(400e12, "NVIDIA H200") == pytest.approx(400 / 989.4)
+    assert costs.mfu(400e12, "NVIDIA H200", n_devices=2) == pytest.approx(200 / 989.4)
+    with pytest.raises(ValueError, match="n_devices"):
+        costs.mfu(1e12, "NVIDIA H200", n_devices=0)

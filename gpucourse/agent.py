@@ -10,7 +10,7 @@ is `torchrun <torchrun arguments>` (same parser, same elastic agent, same rendez
   SIGKILL when a second signal arrives during its graceful shutdown);
 - it writes EXIT_FILE (JSON): every failed rank's exit code, and the root cause as torchrun saw it;
 - with `--logs-specs gpucourse --log-dir DIR`, workers log to `DIR/attempt<k>/rank<r>.{stdout,stderr}`,
-  named by *global* rank;
+  named by *global* rank (the run directory's layout and EXIT_FILE's format: contract.py);
 - when every node is on this machine (`--standalone`, or a loopback rendezvous endpoint), no store of
   the job listens beyond 127.0.0.1 (see `_bind_stores_to_loopback`); otherwise it says, once, that the
   stores listen on every interface without authentication.
@@ -28,11 +28,11 @@ import threading
 import time
 from pathlib import Path
 
+from .contract import SCRIPT_ARGS_ENV, attempt_dir, rank_file
 from .procs import descendants, terminate
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 GRACE_S = 3.0
-SCRIPT_ARGS_ENV = "GPUCOURSE_SCRIPT_ARGS"  # JSON list: the training script's arguments
 OPEN_STORE_WARNING = ("the rendezvous store (and rank 0's store) listen on every network interface, without "
                       "authentication: anyone who can reach them can join or disrupt the job. Keep the cluster "
                       "network private (firewall the ports, or a private network between the hosts).")
@@ -63,14 +63,13 @@ def _rank_logs_specs():
 
         def reify(self, envs):
             attempt = next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0")
-            folder = Path(self.root_log_dir) / f"attempt{attempt}"
+            folder = attempt_dir(self.root_log_dir, attempt)
             folder.mkdir(parents=True, exist_ok=True)
             dest = LogsDest()
             for local_rank, env in envs.items():
-                stem = folder / f"rank{env['RANK']}"
-                dest.stdouts[local_rank] = f"{stem}.stdout"
-                dest.stderrs[local_rank] = f"{stem}.stderr"
-                dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = f"{stem}.error.json"
+                out, err, error = (str(rank_file(folder, env["RANK"], k)) for k in ("stdout", "stderr", "error.json"))
+                dest.stdouts[local_rank], dest.stderrs[local_rank] = out, err
+                dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = error
             return dest
 
     return RankLogs
@@ -168,21 +167,29 @@ def _bind_stores_to_loopback() -> None:
 
 
 PEER_REPORTS = ("remote worker", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# How torchrun stops the ranks still running once one has failed (SIGTERM, then SIGKILL after its grace
+# period), and what it forwards when it is stopped itself. A rank ended by one of these did not fail.
+STOP_SIGNALS = ("SIGTERM", "SIGKILL", "SIGINT", "SIGHUP")
 
 
-def _root_rank(failures) -> int:
-    """The rank that failed first *by itself*.
+def blame_key(failure: dict) -> tuple:
+    """Sort key of an exit file's failure records: the first one is the root cause (see _root_rank)."""
+    stopped = failure.get("signal") in STOP_SIGNALS
+    peer_report = any(text in json.dumps(failure["message"]) for text in PEER_REPORTS)
+    return (stopped, peer_report, failure["timestamp"], not isinstance(failure["message"], dict), failure["rank"])
 
-    torchrun orders by timestamps of one-second resolution, so ties are common. Ranks killed by a
-    signal (torchrun stopping the survivors) and ranks that only report a peer's death (gloo:
-    "typically caused by a remote worker crashing") come after a rank that failed on its own.
+
+def _root_rank(failures: list[dict]) -> int:
+    """The rank that failed first *by itself*, from the exit file's failure records.
+
+    torchrun orders by timestamps of one-second resolution, so ties are common, and a rank that
+    aborts (SIGABRT) or crashes (SIGSEGV) ties with the innocent ranks torchrun then SIGTERMs. So:
+    first the ranks that failed on their own (an exception, a crash signal, a non-zero exit code),
+    then those that only report a peer's death (gloo: "typically caused by a remote worker
+    crashing"), then those torchrun stopped; within each, the earliest, one with a traceback, the
+    lowest rank.
     """
-    def key(item):
-        rank, f = item
-        peer_report = any(text in json.dumps(f.message) for text in PEER_REPORTS)
-        return (f.exitcode < 0, peer_report, f.timestamp, not isinstance(f.message, dict), rank)
-
-    return min(failures.items(), key=key)[0]
+    return min(failures, key=blame_key)["rank"]
 
 
 def main(argv: list[str]) -> int:
@@ -211,9 +218,8 @@ def main(argv: list[str]) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as err:
-        root_rank = _root_rank(err.failures)
-        record = {"status": "failed", "root_rank": root_rank,
-                  "failures": [_failure_record(r, f) for r, f in sorted(err.failures.items())]}
+        failures = [_failure_record(r, f) for r, f in sorted(err.failures.items())]
+        record = {"status": "failed", "root_rank": _root_rank(failures), "failures": failures}
         code = 1
     except BaseException as err:  # SignalException, rendezvous errors, bad torchrun arguments
         record = {"status": "agent_error", "failures": [], "message": f"{type(err).__name__}: {err}"}

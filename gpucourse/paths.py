@@ -6,8 +6,7 @@ import re
 import time
 from pathlib import Path
 
-RUNS_ENV = "GPUCOURSE_RUNS_DIR"
-RUN_DIR_ENV = "GPUCOURSE_RUN_DIR"  # set by the launcher for every rank of one run
+from .contract import RUN_DIR_ENV, RUNS_ENV  # noqa: F401  (RUN_DIR_ENV: still importable from here)
 
 
 def project_root() -> Path | None:

@@ -1,6 +1,6 @@
 """What a run left on disk, read back: `RunResult` (also for runs of earlier sessions).
 
-A run directory holds:
+A run directory holds (contract.py has the names and the formats):
     manifest.json                    command, backend, world size, versions, times, status, exit codes
     agent[-node<k>].log              torchrun's own output
     exit[-node<k>].json              per failed rank: exit code, signal, error message (gpucourse.agent)
@@ -16,6 +16,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .agent import STOP_SIGNALS, blame_key
+from .contract import (EVENT_TEARDOWN, MANIFEST, RUNTIME_EVENTS, STREAMS, exit_files, manifest_file, metrics_files,
+                       rank_log, traces_dir)
 from .paths import runs_root
 
 STATUS_TEXT = {"ok": "finished", "failed": "failed", "timeout": "timed out", "stalled": "stalled",
@@ -24,13 +27,19 @@ STATUS_TEXT = {"ok": "finished", "failed": "failed", "timeout": "timed out", "st
 
 @dataclass
 class RootCause:
-    """Why a run did not finish: the first failing rank and what it raised, or why the launcher stopped it."""
+    """Why a run did not finish: the first failing rank and what it raised, or why the launcher stopped it.
+
+    after_work_finished: every rank had written its teardown record before `rank` failed (typically
+    gloo aborting at interpreter exit), so the run's results on disk are complete.
+    """
 
     summary: str
     rank: int | None = None
     exitcode: int | None = None
     exception: str = ""
     traceback: str = ""
+    signal: str = ""
+    after_work_finished: bool = False
 
     def __str__(self) -> str:
         return self.summary + (f"\n\n{self.traceback.rstrip()}" if self.traceback else "")
@@ -57,6 +66,37 @@ def _read_json(path: Path):
         return None
 
 
+def _records(path: Path) -> list[dict]:
+    """The records of one metrics file (a rank killed mid-write leaves half a line: skipped)."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _last_line(text: str) -> str:
+    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+
+
+def _work_finished(run_dir: Path, world_size: int) -> bool:
+    """True when every rank of the last attempt wrote its teardown record (runtime.teardown).
+
+    All attempts append to one metrics file per rank: a rank finished when its last setup record is
+    followed by a teardown record.
+    """
+    files = metrics_files(run_dir)
+    if world_size < 1 or not set(range(world_size)) <= set(files):
+        return False
+    for rank in range(world_size):
+        events = [rec["event"] for rec in _records(files[rank]) if rec.get("event") in RUNTIME_EVENTS]
+        if not events or events[-1] != EVENT_TEARDOWN:
+            return False
+    return True
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -77,14 +117,11 @@ class RunResult:
 
     # --- what the ranks wrote ------------------------------------------------------------------
     def log_path(self, rank: int, stream: str = "stdout", attempt: int | None = None) -> Path:
-        attempts = sorted((self.run_dir / "logs").glob("attempt*"), key=lambda p: int(p.name[7:]))
-        folder = (self.run_dir / "logs" / f"attempt{attempt}") if attempt is not None else (
-            attempts[-1] if attempts else self.run_dir / "logs" / "attempt0")
-        return folder / f"rank{rank}.{stream}"
+        return rank_log(self.run_dir, attempt, rank, stream)
 
     def log(self, rank: int = 0, stream: str = "stdout", attempt: int | None = None) -> str:
         """What `rank` printed (stream: 'stdout' or 'stderr'; latest restart attempt unless given)."""
-        if stream not in ("stdout", "stderr"):
+        if stream not in STREAMS:
             raise ValueError(f"stream must be 'stdout' or 'stderr', not {stream!r}")
         if not 0 <= rank < max(self.world_size, 1):
             raise ValueError(f"rank {rank} is not in this run (world size {self.world_size})")
@@ -93,17 +130,10 @@ class RunResult:
 
     @property
     def metrics(self) -> dict[int, list[dict]]:
-        """Records each rank wrote with `runtime.log`, by rank (setup records left out)."""
+        """Records each rank wrote with `runtime.log`, by rank (the runtime's setup/teardown records left out)."""
         out: dict[int, list[dict]] = {r: [] for r in range(self.world_size)}
-        for path in sorted((self.run_dir / "metrics").glob("rank*.jsonl")):
-            rank = int(path.stem[4:])
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:  # a rank killed mid-write leaves half a line
-                    continue
-                if rec.get("event") != "setup":
-                    out.setdefault(rank, []).append(rec)
+        for rank, path in metrics_files(self.run_dir).items():
+            out.setdefault(rank, []).extend(rec for rec in _records(path) if rec.get("event") not in RUNTIME_EVENTS)
         return out
 
     def metric(self, key: str, rank: int = 0) -> list:
@@ -118,7 +148,7 @@ class RunResult:
     def traces_named(self, name: str) -> dict[int, Path]:
         """Traces written by `runtime.profile(name=...)`: `traces/<name><rank>.json`, by rank."""
         out = {}
-        for path in (self.run_dir / "traces").glob(f"{name}*.json"):
+        for path in traces_dir(self.run_dir).glob(f"{name}*.json"):
             m = re.fullmatch(re.escape(name) + r"(\d+)", path.stem)
             if m:
                 out[int(m.group(1))] = path
@@ -128,7 +158,10 @@ class RunResult:
     def summary(self) -> str:
         m = self.manifest
         dur = f"{self.duration:.1f} s" if self.duration is not None else "?"
-        head = (f"{self.name}: {STATUS_TEXT.get(self.status, self.status)} in {dur} — "
+        status = STATUS_TEXT.get(self.status, self.status)
+        if self.error and self.error.after_work_finished:  # the process failed, the work did not
+            status += " at exit, after every rank had finished its work,"
+        head = (f"{self.name}: {status} in {dur} — "
                 f"{self.world_size} rank(s), backend {m.get('backend', '?')}, device {m.get('device', '?')}")
         codes = ", ".join(f"{r}:{'?' if c is None else c}" for r, c in sorted(self.returncodes.items()))
         lines = [head, f"exit codes by rank: {codes}", f"run directory: {self.run_dir}"]
@@ -140,33 +173,54 @@ class RunResult:
         return self.summary()
 
     def _repr_html_(self) -> str:
-        colour = "#2e7d32" if self.ok else "#c62828"
+        done = bool(self.error and self.error.after_work_finished)  # failed, but the results are complete
+        colour = "#2e7d32" if self.ok else "#ef6c00" if done else "#c62828"
         rows = "".join(f"<tr><td>rank {r}</td><td>{'?' if c is None else c}</td></tr>"
                        for r, c in sorted(self.returncodes.items()))
         err = f"<pre style='color:{colour}'>{html.escape(str(self.error))}</pre>" if self.error else ""
+        if done:
+            err += "<p><b>The results on disk are complete:</b> every rank finished its work before the failure.</p>"
         return (f"<div><b style='color:{colour}'>{html.escape(self.summary().splitlines()[0])}</b>{err}"
                 f"<table><tr><th>rank</th><th>exit code</th></tr>{rows}</table>"
                 f"<code>{html.escape(str(self.run_dir))}</code></div>")
 
 
-def _root_cause_from_exit(run_dir: Path, exits: list[dict]) -> RootCause | None:
+def _after_work(rank: int, code: int, signal: str, exception: str, reason: str) -> str:
+    """The summary of a failure that came after every rank had finished its work."""
+    tail = "after every rank had finished its work; the results on disk are complete"
+    if exception:  # a Python exception after runtime.teardown()
+        return f"rank {rank} failed (exit code {code}) {tail}: {exception}"
+    if signal:
+        how = "aborted" if signal == "SIGABRT" else "was stopped" if signal in STOP_SIGNALS else "crashed"
+        detail = f"{signal}: {reason}" if reason else signal
+    else:
+        how, detail = f"exited with code {code}", reason
+    return f"rank {rank} {how} at interpreter exit" + (f" ({detail})" if detail else "") + f" {tail}"
+
+
+def _root_cause_from_exit(run_dir: Path, exits: list[dict], world_size: int) -> RootCause | None:
     failed = [e for e in exits if e.get("status") == "failed"]
     if failed:
-        exit_rec = failed[0]
-        root_rank = exit_rec["root_rank"]
-        failure = next(f for f in exit_rec["failures"] if f["rank"] == root_rank)
-        msg = failure["message"]
-        attempts = sorted((run_dir / "logs").glob("attempt*"), key=lambda p: int(p.name[7:]))
-        stderr_path = (attempts[-1] if attempts else run_dir / "logs") / f"rank{root_rank}.stderr"
+        # Each agent (one per node started here) names its own root rank: the same order picks among them.
+        failure = min((next(f for f in e["failures"] if f["rank"] == e["root_rank"]) for e in failed), key=blame_key)
+        rank, code, msg = failure["rank"], failure["exitcode"], failure["message"]
+        signal = failure.get("signal") if failure.get("signal") not in (None, "<N/A>") else ""
+        stderr_path = rank_log(run_dir, None, rank, "stderr")
+        stderr = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
+        reason = _last_line(stderr)  # for a crash, often the only word: "terminate called ...", "Segmentation fault"
         tb = msg.get("traceback", "") if isinstance(msg, dict) else ""
-        if not tb and stderr_path.exists():
-            tb = last_traceback(stderr_path.read_text(errors="replace"))
+        if not tb:
+            tb = last_traceback(stderr)
+        if _work_finished(run_dir, world_size):
+            exception = msg.get("message", "") if isinstance(msg, dict) else ""
+            summary = _after_work(rank, code, signal, exception, reason)
+            return RootCause(summary, rank, code, exception or reason, tb if exception else "", signal, True)
         exception = (msg.get("message") if isinstance(msg, dict) else "") or (tb.splitlines()[-1] if tb else "")
         if not exception:
-            signal = failure.get("signal")
-            exception = f"killed by {signal}" if signal and signal != "<N/A>" else "no traceback was written"
-        summary = f"rank {root_rank} failed (exit code {failure['exitcode']}): {exception}"
-        return RootCause(summary, root_rank, failure["exitcode"], exception, tb)
+            exception = f"killed by {signal}" if signal else "no traceback was written"
+            exception += f"; its last stderr line: {reason}" if reason else ""
+        summary = f"rank {rank} failed (exit code {code}): {exception}"
+        return RootCause(summary, rank, code, exception, tb, signal)
     broken = [e for e in exits if e.get("status") == "agent_error"]
     if broken:
         return RootCause(f"torchrun could not run the job: {broken[0].get('message', '')}",
@@ -177,17 +231,17 @@ def _root_cause_from_exit(run_dir: Path, exits: list[dict]) -> RootCause | None:
 def load_run(run_dir: str | Path) -> RunResult:
     """Read a run directory back into a RunResult."""
     run_dir = Path(run_dir).resolve()
-    manifest = _read_json(run_dir / "manifest.json")
+    manifest = _read_json(manifest_file(run_dir))
     if manifest is None:
         raise FileNotFoundError(f"{run_dir} is not a gpucourse run directory (no readable manifest.json)")
     world = int(manifest.get("world_size", 0))
-    exits = [e for p in sorted(run_dir.glob("exit*.json")) if (e := _read_json(p))]
+    exits = [e for p in exit_files(run_dir) if (e := _read_json(p))]
     status = manifest.get("status", "running")
     error = None
     if manifest.get("stop_reason"):
         error = RootCause(manifest["stop_reason"], traceback=manifest.get("stop_detail", ""))
     elif status == "failed":
-        error = _root_cause_from_exit(run_dir, exits)
+        error = _root_cause_from_exit(run_dir, exits, world)
     codes: dict[int, int | None] = {r: (0 if status == "ok" else None) for r in range(world)}
     for e in exits:
         for f in e.get("failures", []):
@@ -199,7 +253,7 @@ def list_runs(root: str | Path | None = None) -> list[RunResult]:
     """Every run under the runs directory, oldest first (unreadable folders skipped)."""
     root = Path(root) if root else runs_root()
     out = []
-    for path in sorted(root.glob("*/manifest.json")):
+    for path in sorted(root.glob(f"*/{MANIFEST}")):
         try:
             out.append(load_run(path.parent))
         except (FileNotFoundError, ValueError, KeyError):

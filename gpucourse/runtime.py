@@ -29,10 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .paths import RUN_DIR_ENV, runs_root, slug
-
-BACKEND_ENV = "GPUCOURSE_BACKEND"
-DEVICE_ENV = "GPUCOURSE_DEVICE"
+from .contract import BACKEND_ENV, DEVICE_ENV, EVENT_SETUP, EVENT_TEARDOWN, RUN_DIR_ENV, metrics_file, trace_file
+from .paths import runs_root, slug
 
 
 @dataclass(frozen=True)
@@ -220,7 +218,7 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
         seed_everything(seed + (rank if seed_per_rank else 0))
     run_dir = default_run_dir()
     _ctx = Context(rank, local_rank, world_size, local_world, _env_int("GROUP_RANK", 0), backend, device, run_dir)
-    _write_record({"event": "setup", "world_size": world_size, "backend": backend, "device": str(device),
+    _write_record({"event": EVENT_SETUP, "world_size": world_size, "backend": backend, "device": str(device),
                    "pid": os.getpid(), "host": os.uname().nodename})
     return _ctx
 
@@ -235,7 +233,7 @@ def _write_record(record: dict) -> None:
     global _metrics_file
     ctx = context()
     if _metrics_file is None:
-        path = ctx.run_dir / "metrics" / f"rank{ctx.rank}.jsonl"
+        path = metrics_file(ctx.run_dir, ctx.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         _metrics_file = open(path, "a", buffering=1)  # line-buffered: the launcher tails it live
     _metrics_file.write(json.dumps({"rank": ctx.rank, "time": time.time(), **record}) + "\n")
@@ -268,7 +266,7 @@ def profile(*, wait: int = 1, warmup: int = 1, active: int = 3, record_shapes: b
 
     ctx = context()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
-    out = ctx.run_dir / "traces" / f"{name or 'rank'}{ctx.rank}.json"
+    out = trace_file(ctx.run_dir, name or "rank", ctx.rank)
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def export(prof):
@@ -280,8 +278,15 @@ def profile(*, wait: int = 1, warmup: int = 1, active: int = 3, record_shapes: b
 
 
 def teardown() -> None:
-    """Leave the job cleanly: flush metrics, destroy the process group."""
+    """Leave the job cleanly: flush metrics, destroy the process group.
+
+    The last metrics record, {"event": "teardown"}, says this rank finished its work: a rank that
+    dies after it (gloo can abort at interpreter exit) has left complete results, and the launcher's
+    report says so (result.py) instead of blaming the run's results.
+    """
     global _ctx, _metrics_file
+    if _ctx is not None:
+        _write_record({"event": EVENT_TEARDOWN})
     if _metrics_file is not None:
         _metrics_file.close()
         _metrics_file = None

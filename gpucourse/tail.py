@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-_LOG = re.compile(r"rank(\d+)\.(stdout|stderr)$")
+from .contract import STREAMS, agent_logs, attempt_dir, latest_attempt, logs_dir, metrics_files, rank_of_file
 
 
 @dataclass
@@ -45,13 +44,12 @@ class RunTailer:
         self.last_line: dict[int, str] = {}
 
     def _discover(self) -> None:
-        logs_dir = self.run_dir / "logs"
-        attempts = sorted(logs_dir.glob("attempt*"), key=lambda p: int(p.name[7:]))
-        for path in list(attempts[-1].glob("rank*.std*")) if attempts else []:
+        attempt = latest_attempt(self.run_dir)
+        for path in attempt_dir(logs_dir(self.run_dir), attempt).glob("rank*.std*") if attempt is not None else []:
             self.logs.setdefault(path, _Follower(path))
-        for path in self.run_dir.glob("agent*.log"):
+        for path in agent_logs(self.run_dir):
             self.logs.setdefault(path, _Follower(path))
-        for path in (self.run_dir / "metrics").glob("rank*.jsonl"):
+        for path in metrics_files(self.run_dir).values():
             self.metrics.setdefault(path, _Follower(path))
 
     def poll(self, final: bool = False) -> tuple[list[Line], list[dict]]:
@@ -59,8 +57,8 @@ class RunTailer:
         self._discover()
         lines: list[Line] = []
         for path, follower in self.logs.items():
-            m = _LOG.search(path.name)
-            rank, stream = (int(m.group(1)), m.group(2)) if m else (None, "stderr")
+            parsed = rank_of_file(path)
+            rank, stream = parsed if parsed and parsed[1] in STREAMS else (None, "stderr")  # None: an agent's log
             for text in follower.read(final):
                 lines.append(Line(rank, stream, text))
                 if rank is not None and text.strip():

@@ -36,6 +36,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .contract import manifest_file, traces_dir
+
 Interval = tuple[float, float]  # (start_us, end_us)
 
 STEP_PREFIX = "ProfilerStep#"
@@ -362,7 +364,7 @@ def _run_dir_and_manifest(result_or_run_dir) -> tuple[Path, dict]:
         raise TraceError(f"{run_dir} is not a run directory: pass the RunResult of gpucourse.launch "
                          "or the folder it wrote (runs/<name>-<time>/)")
     try:
-        manifest = json.loads((run_dir / "manifest.json").read_text())
+        manifest = json.loads(manifest_file(run_dir).read_text())
     except (OSError, ValueError):
         manifest = {}
     return run_dir, manifest if isinstance(manifest, dict) else {}
@@ -371,16 +373,16 @@ def _run_dir_and_manifest(result_or_run_dir) -> tuple[Path, dict]:
 def _trace_files(run_dir: Path, name: str) -> dict[int, Path]:
     pattern = re.compile(rf"{re.escape(name)}(\d+)\.json")
     found = {}
-    for path in (run_dir / "traces").glob("*.json"):
+    for path in traces_dir(run_dir).glob("*.json"):
         m = pattern.fullmatch(path.name)
         if m:
             found[int(m.group(1))] = path
     if not found:
-        others = sorted(p.name for p in (run_dir / "traces").glob("*.json"))
+        others = sorted(p.name for p in traces_dir(run_dir).glob("*.json"))
         hint = (f" (it holds {', '.join(others)}: pass name= the part before the rank number)" if others else
                 ": profile the steps in the script with `with runtime.profile(...) as prof:` and prof.step(), "
                 "and check that every rank reached the end of the profiled steps")
-        raise TraceError(f"no traces named {name}<rank>.json in {run_dir / 'traces'}{hint}")
+        raise TraceError(f"no traces named {name}<rank>.json in {traces_dir(run_dir)}{hint}")
     return dict(sorted(found.items()))
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from . import costs
+from .contract import traces_dir
 from .result import list_runs
 from .traces import TraceError, analyze_run
 
@@ -153,7 +154,7 @@ def traced_runs(runs_dir=None) -> list[tuple[str, tuple[str, str]]]:
     (runtime.profile(name=...) writes traces/<name><rank>.json; the default name is "rank")."""
     options = []
     for run in reversed(list_runs(runs_dir)):
-        names = sorted({m.group(1) for p in (run.run_dir / "traces").glob("*.json")
+        names = sorted({m.group(1) for p in traces_dir(run.run_dir).glob("*.json")
                         if (m := re.fullmatch(r"(.*?)(\d+)", p.stem))})
         for name in names:
             label = (f"{run.name}" + ("" if name == "rank" else f" [{name}]")

@@ -1,0 +1,143 @@
+"""The contract between the launcher, the agent, the ranks and whoever reads a run back.
+
+The launcher (launcher.py) starts the agent (agent.py), the agent starts the ranks, the ranks write
+through the runtime (runtime.py), and the launcher, the live view (tail.py) and RunResult (result.py)
+read the same files back, also for runs of earlier sessions. Every name they share lives here, so
+that a change to the layout is made in one place.
+
+Environment (set by the launcher for the agent and every rank):
+    GPUCOURSE_RUNS_DIR     where runs are written (default: <project>/runs)
+    GPUCOURSE_RUN_DIR      this run's directory; every rank of every node writes into it
+    GPUCOURSE_BACKEND      'gloo', 'nccl', 'mpi' or 'auto' (the runtime chooses)
+    GPUCOURSE_DEVICE       'cpu' forces CPU ranks even where GPUs are present
+    GPUCOURSE_SCRIPT_ARGS  JSON list: the training script's own arguments (the agent takes it out of
+                           the environment; torchrun's parser would mistake some for its own options)
+
+Run directory:
+    manifest.json                       command, backend, world size, versions, times, status
+    agent[-node<k>].log                 torchrun's own output (one per agent started here)
+    exit[-node<k>].json                 the agent's report: see "Exit file" below
+    logs/attempt<a>/rank<r>.stdout      rank r's output in restart attempt a (named by *global* rank)
+    logs/attempt<a>/rank<r>.stderr
+    logs/attempt<a>/rank<r>.error.json  torchrun's error file: the uncaught exception, if any
+    metrics/rank<r>.jsonl               one JSON record per line: {"rank", "time", ...} from
+                                        runtime.log(); runtime.setup() and runtime.teardown() add
+                                        {"event": "setup"} and {"event": "teardown"} (all attempts
+                                        append to the same file)
+    traces/<name><r>.json               chrome traces from runtime.profile(name=...) (default "rank")
+The `-node<k>` suffix appears only when one launch starts several agents (nnodes > 1).
+
+Exit file (JSON, written atomically by the agent when torchrun returns):
+    status     'ok', 'failed' (some rank exited non-zero) or 'agent_error' (torchrun itself failed)
+    root_rank  ('failed' only) the global rank that failed first by itself (agent._root_rank)
+    failures   one record per failed rank, by rank: rank, local_rank, exitcode (negative: -signal),
+               pid, signal (name, or '<N/A>'), timestamp (seconds), message (a string, or
+               {"message", "traceback"} when the rank left an error file)
+    message    ('agent_error' only) what went wrong
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ENV_PREFIX = "GPUCOURSE_"
+RUNS_ENV = "GPUCOURSE_RUNS_DIR"
+RUN_DIR_ENV = "GPUCOURSE_RUN_DIR"
+BACKEND_ENV = "GPUCOURSE_BACKEND"
+DEVICE_ENV = "GPUCOURSE_DEVICE"
+SCRIPT_ARGS_ENV = "GPUCOURSE_SCRIPT_ARGS"
+
+MANIFEST = "manifest.json"
+LOGS_DIR, METRICS_DIR, TRACES_DIR = "logs", "metrics", "traces"
+STREAMS = ("stdout", "stderr")  # what RunResult.log shows; "error.json" sits beside them
+EVENT_SETUP, EVENT_TEARDOWN = "setup", "teardown"  # values of a metrics record's "event" key
+RUNTIME_EVENTS = (EVENT_SETUP, EVENT_TEARDOWN)  # written by the runtime, not by the script
+
+_ATTEMPT = re.compile(r"attempt(\d+)")
+_RANK_FILE = re.compile(r"rank(\d+)\.(.+)")
+
+
+def node_suffix(node: int) -> str:
+    """'-node<k>': tells apart the files of the agents that one launch starts (nnodes > 1)."""
+    return f"-node{node}"
+
+
+def manifest_file(run_dir: Path) -> Path:
+    return Path(run_dir) / MANIFEST
+
+
+def agent_log(run_dir: Path, suffix: str = "") -> Path:
+    return Path(run_dir) / f"agent{suffix}.log"
+
+
+def agent_logs(run_dir: Path) -> list[Path]:
+    return sorted(Path(run_dir).glob("agent*.log"))
+
+
+def exit_file(run_dir: Path, suffix: str = "") -> Path:
+    return Path(run_dir) / f"exit{suffix}.json"
+
+
+def exit_files(run_dir: Path) -> list[Path]:
+    return sorted(Path(run_dir).glob("exit*.json"))
+
+
+def logs_dir(run_dir: Path) -> Path:
+    """The folder given to torchrun as --log-dir."""
+    return Path(run_dir) / LOGS_DIR
+
+
+def attempt_dir(log_dir: Path, attempt: int | str) -> Path:
+    """`<log_dir>/attempt<a>`: one folder per restart attempt (log_dir is torchrun's --log-dir)."""
+    return Path(log_dir) / f"attempt{attempt}"
+
+
+def rank_file(folder: Path, rank: int | str, kind: str) -> Path:
+    """`<folder>/rank<r>.<kind>`, kind 'stdout', 'stderr', 'error.json' or 'jsonl'."""
+    return Path(folder) / f"rank{rank}.{kind}"
+
+
+def rank_of_file(path: Path) -> tuple[int, str] | None:
+    """(rank, kind) of a `rank<r>.<kind>` file name; None for any other name."""
+    m = _RANK_FILE.fullmatch(Path(path).name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def attempts(run_dir: Path) -> list[int]:
+    """The restart attempts that left a log folder, in order."""
+    found = (_ATTEMPT.fullmatch(p.name) for p in logs_dir(run_dir).glob("attempt*"))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def latest_attempt(run_dir: Path) -> int | None:
+    found = attempts(run_dir)
+    return found[-1] if found else None
+
+
+def rank_log(run_dir: Path, attempt: int | None, rank: int, stream: str) -> Path:
+    """`logs/attempt<a>/rank<r>.<stream>`; attempt None: the latest attempt (0 before any started)."""
+    if attempt is None:
+        attempt = latest_attempt(run_dir) or 0
+    return rank_file(attempt_dir(logs_dir(run_dir), attempt), rank, stream)
+
+
+def metrics_file(run_dir: Path, rank: int) -> Path:
+    return rank_file(Path(run_dir) / METRICS_DIR, rank, "jsonl")
+
+
+def metrics_files(run_dir: Path) -> dict[int, Path]:
+    """Every rank's metrics file, by rank."""
+    found = {}
+    for path in (Path(run_dir) / METRICS_DIR).glob("rank*.jsonl"):
+        parsed = rank_of_file(path)
+        if parsed and parsed[1] == "jsonl":
+            found[parsed[0]] = path
+    return dict(sorted(found.items()))
+
+
+def traces_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / TRACES_DIR
+
+
+def trace_file(run_dir: Path, name: str, rank: int) -> Path:
+    return traces_dir(run_dir) / f"{name}{rank}.json"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 EXIT_CODES = {"ok": 0, "failed": 1, "timeout": 124, "stalled": 124, "interrupted": 130}
 # Modules that add their own subcommands with add_cli(subparsers), kept out of this file.
-PLUGINS = ("gpucourse.grading", "gpucourse.course", "gpucourse.slurm")
+PLUGINS = ("gpucourse.grading", "gpucourse.course", "gpucourse.slurm", "gpucourse.release")
 
 
 def _launch(args) -> int:
@@ -54,6 +54,8 @@ def _runs(args) -> int:
     from .paths import runs_root
     from .result import list_runs
 
+    if args.dir and not Path(args.dir).expanduser().is_dir():
+        raise UsageError(f"--dir {args.dir} is not a folder: give the runs directory (default: {runs_root()})")
     runs = list_runs(args.dir)
     if not runs:
         print(f"no runs under {args.dir or runs_root()}")
@@ -73,6 +75,16 @@ def _hardware(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -83,8 +95,30 @@ def _positive_float(text: str) -> float:
     return value
 
 
+class UsageError(ValueError):
+    """A command-line request that cannot be carried out as given (checked by the CLI itself)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's errors, as one line (it would print the whole usage first). Subcommands inherit it."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def bad_input_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that mean "the request was wrong": each says what was wrong and what to do."""
+    from .course import CourseError
+    from .exercises import ExerciseError
+    from .launcher import LaunchConfigError
+    from .release import ReleaseError
+    from .slurm import SlurmConfigError
+
+    return UsageError, LaunchConfigError, ExerciseError, SlurmConfigError, CourseError, ReleaseError
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpucourse", description="Tools of the gpucourse course.")
+    parser = OneLineParser(prog="gpucourse", description="Tools of the gpucourse course.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("launch", help="run a script as a torchrun job",
@@ -110,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("runs", help="list runs with status and duration")
     p.add_argument("--dir", help="runs directory (default: runs/ or $GPUCOURSE_RUNS_DIR)")
-    p.add_argument("--last", type=int, default=30, help="show the last N runs (default 30)")
+    p.add_argument("--last", type=_positive_int, default=30, help="show the last N runs (default 30)")
     p.set_defaults(func=_runs)
 
     p = sub.add_parser("hardware", help="what this machine has and what the launcher would choose")
@@ -128,17 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a character gets '?', not a crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     argv = list(sys.argv[1:] if argv is None else argv)
     # Everything after the first "--" belongs to the script, not to us.
     split = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:split])
     args.script_args = argv[split + 1:]
-    from .launcher import LaunchConfigError
-
     try:
         return args.func(args)
-    except LaunchConfigError as err:
-        print(f"gpucourse {args.command}: error: {err}", file=sys.stderr)
+    except bad_input_errors() as err:  # the one place where bad input becomes one line and exit code 2
+        message = " ".join(line.strip() for line in str(err).splitlines())
+        print(f"gpucourse {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gpucourse: interrupted; the job was stopped and nothing was left running.", file=sys.stderr)

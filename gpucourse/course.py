@@ -1,12 +1,13 @@
 """Batch execution of the course's notebooks with papermill: `gpucourse course` and `make course`.
 
 Each chapter notebook has a cell tagged `parameters`; its metadata `gpucourse.smoke` holds the tiny
-values CI uses (`--smoke`). Executed copies go to an output folder, never over the sources.
+values CI uses (`--smoke`). Executed copies go to an output folder, never over the sources nor over
+any notebook that is not itself an executed copy.
 """
 from __future__ import annotations
 
+import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +17,14 @@ from .paths import project_root
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 
 
+class CourseError(ValueError):
+    """The request cannot be run as given (unknown notebook, broken notebook file, bad output folder)."""
+
+
 def notebooks_dir() -> Path:
     root = project_root()
     if root is None:
-        raise FileNotFoundError("the course notebooks are not next to this package: run from a clone of the course")
+        raise CourseError("the course notebooks are not next to this package: run from a clone of the course")
     return root / "notebooks"
 
 
@@ -32,14 +37,47 @@ def find_notebooks(only: list[str] | None = None) -> list[Path]:
     unknown = [n for n in only if not any(nb.stem.startswith(n) or n in nb.stem for nb in books)]
     if unknown:
         names = ", ".join(nb.stem for nb in books)
-        raise ValueError(f"no notebook matches {', '.join(unknown)}; the notebooks are: {names}")
+        raise CourseError(f"no notebook matches {', '.join(unknown)}; the notebooks are: {names}")
     return picked
 
 
-def smoke_parameters(path: Path) -> dict:
+def read_notebook(path: Path):
+    """The notebook at `path`, or CourseError saying why it is not one (not JSON, not a notebook, unreadable)."""
     import nbformat
 
-    return dict(nbformat.read(path, as_version=4).metadata.get("gpucourse", {}).get("smoke", {}))
+    try:
+        return nbformat.read(path, as_version=4)
+    except Exception as err:  # NotJSONError, a schema ValidationError, OSError, UnicodeDecodeError...
+        why = "not JSON" if isinstance(err, nbformat.reader.NotJSONError) else str(err).strip().splitlines()[0]
+        raise CourseError(f"{path} is not a valid notebook ({why}): restore it (git checkout -- {path}) "
+                          "or give another notebook") from None
+
+
+def smoke_parameters(path: Path) -> dict:
+    return dict(read_notebook(path).metadata.get("gpucourse", {}).get("smoke", {}))
+
+
+def _check_output(path: Path, out: Path) -> None:
+    """`out` may be written: nothing is there, or an executed copy (papermill's mark) of an earlier run."""
+    if out.resolve() == path.resolve():
+        raise CourseError(f"the output folder {out.parent} holds the source notebooks: executed copies would "
+                          "overwrite them; choose another --output folder")
+    if out.exists():
+        try:
+            executed = "papermill" in json.loads(out.read_bytes()).get("metadata", {})
+        except (OSError, ValueError, AttributeError):
+            executed = False
+        if not executed:
+            raise CourseError(f"{out} exists and is not an executed copy from an earlier run: it is left "
+                              "untouched; choose another --output folder")
+
+
+def _make_output_dir(output_dir: Path) -> None:
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CourseError(f"cannot create the output folder {output_dir}: {err.strerror or err}; "
+                          "choose another --output folder") from None
 
 
 @dataclass
@@ -54,13 +92,21 @@ class NotebookRun:
 
 def execute_notebook(path: Path, output_dir: Path, *, smoke: bool = False, parameters: dict | None = None,
                      cell_timeout: float | None = 600, kernel: str = "python3") -> NotebookRun:
-    """Run one notebook with papermill in its own folder; never raises for an error inside the notebook."""
+    """Run one notebook with papermill in its own folder; never raises for an error inside the notebook.
+
+    Raises CourseError, before running anything, for a file that is not a notebook, a bad cell_timeout or
+    an output that must not be overwritten (the source itself, or a notebook that is not an executed copy).
+    """
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
+    path, output_dir = Path(path), Path(output_dir)
+    _check_cell_timeout(cell_timeout)
+    read_notebook(path)
     params = {**(smoke_parameters(path) if smoke else {}), **(parameters or {})}
-    output_dir.mkdir(parents=True, exist_ok=True)
     out = output_dir / path.name
+    _check_output(path, out)
+    _make_output_dir(output_dir)
     os.environ.setdefault("GPUCOURSE_LIVE", "text")  # plain, whole lines in the executed notebook
     start = time.monotonic()
     try:
@@ -89,12 +135,24 @@ def _failing_cell(executed: Path) -> int | None:
     return None
 
 
+def _check_cell_timeout(cell_timeout) -> None:
+    if cell_timeout is not None and (isinstance(cell_timeout, bool) or not isinstance(cell_timeout, (int, float))
+                                     or not cell_timeout > 0):
+        raise CourseError(f"cell_timeout must be a positive number of seconds or None, not {cell_timeout!r}")
+
+
 def run_course(*, smoke: bool = False, only: list[str] | None = None, output: Path | None = None,
                cell_timeout: float | None = 600) -> list[NotebookRun]:
     from tqdm.auto import tqdm
 
     books = find_notebooks(only)
-    output = Path(output or (notebooks_dir().parent / "executed")).resolve()
+    output = Path(output or (notebooks_dir().parent / "executed")).expanduser().resolve()
+    if output.exists() and not output.is_dir():
+        raise CourseError(f"--output {output} is a file, not a folder: choose a folder for the executed notebooks")
+    _check_cell_timeout(cell_timeout)
+    for path in books:  # every problem is reported before the first notebook runs for minutes
+        read_notebook(path)
+        _check_output(path, output / path.name)
     results = []
     bar = tqdm(books, desc="course", unit="notebook")
     for path in bar:
@@ -159,15 +217,10 @@ def table(results: list[NotebookRun]) -> str:
 
 
 def _cli(args) -> int:
-    if args.refresh_checked:
-        if args.smoke:
-            print("gpucourse course: error: --refresh-checked runs the learner defaults; drop --smoke", file=sys.stderr)
-            return 2
-    try:
-        results = run_course(smoke=args.smoke, only=args.only, output=args.output, cell_timeout=args.cell_timeout)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"gpucourse course: error: {err}", file=sys.stderr)
-        return 2
+    """Bad input raises CourseError; the CLI (cli.main) prints it as one line and exits 2."""
+    if args.refresh_checked and args.smoke:
+        raise CourseError("--refresh-checked runs the learner defaults; drop --smoke")
+    results = run_course(smoke=args.smoke, only=args.only, output=args.output, cell_timeout=args.cell_timeout)
     print(table(results))
     if args.refresh_checked:
         for path, r in zip(find_notebooks(args.only), results):
@@ -178,11 +231,13 @@ def _cli(args) -> int:
 
 
 def add_cli(sub) -> None:
+    from .cli import _positive_float
+
     p = sub.add_parser("course", help="execute the chapter notebooks in order (papermill)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, as in CI")
     p.add_argument("--only", nargs="+", metavar="NAME", help="notebooks to run, e.g. 00 01_collectives")
     p.add_argument("--output", type=Path, help="folder for executed notebooks (default: executed/)")
-    p.add_argument("--cell-timeout", type=float, default=600, help="seconds per cell (default 600)")
+    p.add_argument("--cell-timeout", type=_positive_float, default=600, help="seconds per cell (default 600)")
     p.add_argument("--refresh-checked", action="store_true",
                    help="maintainers: store the outputs of NBVAL_CHECK_OUTPUT cells back into the sources")
     p.set_defaults(func=_cli)

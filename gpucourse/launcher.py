@@ -22,9 +22,11 @@ from pathlib import Path
 import psutil
 
 from . import hardware
-from .agent import OPEN_STORE_WARNING, SCRIPT_ARGS_ENV, is_loopback_endpoint
+from .agent import OPEN_STORE_WARNING, is_loopback_endpoint
+from .contract import (BACKEND_ENV, ENV_PREFIX, RUN_DIR_ENV, SCRIPT_ARGS_ENV, agent_log, exit_file, logs_dir,
+                       manifest_file, node_suffix)
 from .live import make_view
-from .paths import RUN_DIR_ENV, new_run_dir, runs_root, slug
+from .paths import new_run_dir, runs_root, slug
 from .procs import alive, descendants, rank_of, terminate
 from .result import RunResult, load_run
 
@@ -49,16 +51,33 @@ class LaunchConfigError(ValueError):
 
 # --- validation: every bad input gets one clear sentence, before anything starts ----------------
 def _check_script(script) -> Path:
+    if not isinstance(script, (str, os.PathLike)):
+        raise LaunchConfigError(f"script must be the path of a Python file, not {script!r}")
     path = Path(script).expanduser()
+    if path.is_dir():
+        raise LaunchConfigError(f"script {script} is a directory: give the path of a Python file in it")
     if not path.is_file():
-        where = path.resolve()
-        hint = " (it is a directory)" if path.is_dir() else ""
-        raise LaunchConfigError(f"script not found: {script}{hint} (looked for {where})")
+        raise LaunchConfigError(f"script not found: {script} (looked for {path.resolve()})")
     try:
         compile(path.read_bytes(), str(path), "exec")
-    except SyntaxError as err:
-        raise LaunchConfigError(f"{script} has a syntax error at line {err.lineno}: {err.msg}") from None
+    except OSError as err:
+        raise LaunchConfigError(f"cannot read the script {script}: {err.strerror or err}") from None
+    except (SyntaxError, ValueError) as err:  # ValueError: null bytes, on some Pythons
+        where = f" at line {err.lineno}" if getattr(err, "lineno", None) else ""
+        raise LaunchConfigError(f"{script} has a syntax error{where}: {getattr(err, 'msg', err)}; "
+                                "fix it (is it really a Python file?)") from None
     return path.resolve()
+
+
+def _check_args(args) -> list[str]:
+    """The script's arguments as strings: numbers and paths are converted, anything else is refused."""
+    if not isinstance(args, (list, tuple)):
+        raise LaunchConfigError(f"args must be a list of strings, e.g. args=['--steps', '10'], not {args!r}")
+    for i, arg in enumerate(args):
+        if isinstance(arg, bytes) or not isinstance(arg, (str, int, float, os.PathLike)):
+            raise LaunchConfigError(f"args[{i}] is {arg!r}: each script argument must be a string "
+                                    "(numbers and paths are converted with str())")
+    return [os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in args]
 
 
 def _check_int(name: str, value, low: int, high: int) -> int:
@@ -113,7 +132,7 @@ def _free_port() -> int:
 def _torchrun_args(script: Path, args, run_dir: Path, nproc: int, nnodes: int, node_rank: int,
                    rdzv_endpoint: str | None, max_restarts: int, rdzv_id: str) -> list[str]:
     common = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-              "--logs-specs", "gpucourse", "--log-dir", str(run_dir / "logs"), "--redirects", "3"]
+              "--logs-specs", "gpucourse", "--log-dir", str(logs_dir(run_dir)), "--redirects", "3"]
     if nnodes == 1 and not rdzv_endpoint:
         nodes = ["--standalone", "--nnodes", "1"]
     else:
@@ -124,7 +143,7 @@ def _torchrun_args(script: Path, args, run_dir: Path, nproc: int, nnodes: int, n
 
 def _job_env(run_dir: Path, backend: str, nproc: int, one_host: bool, extra: dict | None, args) -> dict:
     env = dict(os.environ)
-    env.update({RUN_DIR_ENV: str(run_dir), SCRIPT_ARGS_ENV: json.dumps(list(map(str, args))), "GPUCOURSE_BACKEND": backend, "PYTHONUNBUFFERED": "1",
+    env.update({RUN_DIR_ENV: str(run_dir), SCRIPT_ARGS_ENV: json.dumps(list(map(str, args))), BACKEND_ENV: backend, "PYTHONUNBUFFERED": "1",
                 # Restarts under gloo are unreliable when workers share the agent's store (pytorch#135712).
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -145,9 +164,10 @@ def _versions() -> dict:
 
 
 def _write_manifest(run_dir: Path, manifest: dict) -> None:
-    tmp = run_dir / "manifest.json.tmp"
+    path = manifest_file(run_dir)
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1, default=str))
-    tmp.replace(run_dir / "manifest.json")
+    tmp.replace(path)
 
 
 class _Job:
@@ -212,8 +232,13 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
     node_rank = _check_int("node_rank", node_rank, 0, nnodes - 1)
     max_restarts = _check_int("max_restarts", max_restarts, 0, 100)
     timeout, stall_timeout = _check_seconds("timeout", timeout), _check_seconds("stall_timeout", stall_timeout)
-    if isinstance(args, (str, bytes)):
-        raise LaunchConfigError("args must be a list of strings, e.g. args=['--steps', '10'], not one string")
+    args = _check_args(args)
+    if name is not None and not isinstance(name, str):
+        raise LaunchConfigError(f"name must be a string (the run's name) or None, not {name!r}")
+    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and k for k in env)):
+        raise LaunchConfigError(f"env must be a dict like {{'NAME': 'value'}} or None, not {env!r}")
+    if live not in (None, True, False, "auto", "widget", "text", "off"):
+        raise LaunchConfigError(f"live must be True, False, 'widget', 'text' or 'off', not {live!r}")
     script = _check_script(script)
     local_nodes = nnodes if not rdzv_endpoint else 1  # agents started on this machine
     backend = resolve_backend(backend, nproc)
@@ -227,9 +252,9 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
     commands = []
     for k in range(local_nodes):
         node = node_rank if rdzv_endpoint else k
-        suffix = f"-node{node}" if nnodes > 1 else ""
+        suffix = node_suffix(node) if nnodes > 1 else ""
         targs = _torchrun_args(script, args, run_dir, nproc, nnodes, node, endpoint, max_restarts, rdzv_id)
-        commands.append((suffix, [sys.executable, "-m", "gpucourse.agent", str(run_dir / f"exit{suffix}.json"),
+        commands.append((suffix, [sys.executable, "-m", "gpucourse.agent", str(exit_file(run_dir, suffix)),
                                   "--", *targs]))
     manifest = {
         "name": run_dir.name, "script": str(script), "args": list(map(str, args)), "backend": backend,
@@ -239,7 +264,7 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
         "host": socket.gethostname(), "versions": _versions(), "start": time.time(), "status": "running",
         "warnings": [] if one_host else [OPEN_STORE_WARNING],
         "env": {k: v for k, v in job_env.items()
-                if k.startswith(("GPUCOURSE_", "OMP_", "GLOO_", "NCCL_", "TORCH_")) and k != SCRIPT_ARGS_ENV}}
+                if k.startswith((ENV_PREFIX, "OMP_", "GLOO_", "NCCL_", "TORCH_")) and k != SCRIPT_ARGS_ENV}}
     _write_manifest(run_dir, manifest)
     for warning in manifest["warnings"]:
         print(f"gpucourse: warning: {warning}", file=sys.stderr, flush=True)
@@ -248,7 +273,7 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
     view = make_view(live, header, world)
     agents = []
     for suffix, cmd in commands:
-        log = open(run_dir / f"agent{suffix}.log", "wb")
+        log = open(agent_log(run_dir, suffix), "wb")
         # A session of its own: Ctrl-C in a terminal reaches us once, and we stop the job in order.
         agents.append(subprocess.Popen(cmd, env=job_env, stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True, cwd=os.getcwd()))

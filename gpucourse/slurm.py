@@ -15,9 +15,9 @@ Why this shape (the same one `gpucourse.launch(nnodes=...)` simulates on one mac
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
-import sys
 import time as _time
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,9 +98,19 @@ def sbatch_script(script, *, nodes: int, gpus_per_node: int, procs_per_node: int
         raise SlurmConfigError(f"port={port} is out of range: TCP ports go up to 65535")
     if not isinstance(time, str) or not TIME_RE.fullmatch(time):
         raise SlurmConfigError(f"time {time!r} is not a Slurm time limit: use {TIME_FORMATS}")
+    if not isinstance(script, (str, os.PathLike)):
+        raise SlurmConfigError(f"script must be the path of a Python file, not {script!r}")
     path = Path(script).expanduser().resolve()
+    if path.is_dir():
+        raise SlurmConfigError(f"script {script} is a directory: give the path of a Python file in it")
     if not path.is_file():
         raise SlurmConfigError(f"script not found: {script}")
+    from .launcher import LaunchConfigError, _check_args
+
+    try:
+        args = _check_args(args)  # the launcher's rule: strings, numbers and paths
+    except LaunchConfigError as err:
+        raise SlurmConfigError(str(err)) from None
     job_name = _check_name("job name", job_name) or slug(path.stem)
     _check_name("partition", partition)
     _check_name("account", account)
@@ -162,28 +172,36 @@ def default_path(script, job_name: str | None = None, output_dir=None) -> Path:
 
 
 def write_sbatch(script, *, path=None, **kwargs) -> Path:
-    """Write sbatch_script(script, **kwargs) to `path` (default: default_path) and create the log directory."""
+    """Write sbatch_script(script, **kwargs) to `path` (default: default_path) and create the log directory.
+
+    Never overwrites: a file already at `path` raises SlurmConfigError, as does a path that cannot be written.
+    """
     text = sbatch_script(script, **kwargs)
     target = Path(path).expanduser().resolve() if path else default_path(
         script, kwargs.get("job_name"), kwargs.get("output_dir"))
-    log_dir(kwargs.get("output_dir")).mkdir(parents=True, exist_ok=True)  # Slurm does not create it
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
-    target.chmod(0o755)
+    if target.exists() or target.is_symlink():
+        raise SlurmConfigError(f"{target} already exists and is left untouched: write to another file (-o FILE), "
+                               "or remove it first")
+    try:
+        log_dir(kwargs.get("output_dir")).mkdir(parents=True, exist_ok=True)  # Slurm does not create it
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "x") as f:  # "x": never over a file that appeared meanwhile
+            f.write(text)
+        target.chmod(0o755)
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename and str(err.filename) != str(target) else ""
+        raise SlurmConfigError(f"cannot write {target}: {err.strerror or err}{where}; "
+                               "choose another place (-o FILE, --output-dir DIR)") from None
     return target
 
 
 def _cli(args) -> int:
-    try:
-        path = write_sbatch(args.script, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                            procs_per_node=args.procs_per_node, args=args.script_args, job_name=args.job_name,
-                            time=args.time, partition=args.partition, account=args.account, port=args.port,
-                            python=args.python, output_dir=args.output_dir, cpus_per_task=args.cpus_per_task,
-                            max_restarts=args.max_restarts,
-                            path=args.path)
-    except (SlurmConfigError, OSError) as err:
-        print(f"gpucourse slurm: error: {err}", file=sys.stderr)
-        return 2
+    """Bad input raises SlurmConfigError; the CLI (cli.main) prints it as one line and exits 2."""
+    path = write_sbatch(args.script, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                        procs_per_node=args.procs_per_node, args=args.script_args, job_name=args.job_name,
+                        time=args.time, partition=args.partition, account=args.account, port=args.port,
+                        python=args.python, output_dir=args.output_dir, cpus_per_task=args.cpus_per_task,
+                        max_restarts=args.max_restarts, path=args.path)
     print(f"wrote {path}")
     print(f"submit it with: sbatch {shlex.quote(str(path))}")
     return 0

@@ -42,12 +42,23 @@ def test_launch_timeout_exits_124_and_leaves_nothing(runs_dir):
     (["launch", WORKER, "--backend", "carrier-pigeon"], "unknown backend 'carrier-pigeon'"),
     (["launch", WORKER, "--timeout", "-1"], "must be a positive number of seconds"),
     (["launch", WORKER, "--timeout", "later"], "expected a number of seconds"),
+    (["launch", str(JOBS)], "is a directory: give the path of a Python file in it"),
+    (["launch", WORKER, "-n", "two"], "argument -n/--nproc: invalid int value: 'two' (see gpucourse launch --help)"),
+    (["launch", WORKER, "--max-restarts", "-1"], "max_restarts=-1 is out of range"),
+    (["launch", WORKER, "--nnodes", "2", "--node-rank", "5"], "node_rank=5 is out of range: use 0 to 1"),
+    (["launch"], "gpucourse launch: error: the following arguments are required: script"),
+    ([], "gpucourse: error: the following arguments are required: command"),
+    (["teleport"], "argument command: invalid choice: 'teleport'"),
+    (["runs", "--last", "0"], "argument --last: must be at least 1, got '0'"),
+    (["runs", "--dir", "/no/such/runs"], "--dir /no/such/runs is not a folder"),
+    (["doctor", "-n", "0"], "nproc=0 is out of range"),
 ])
 def test_bad_input_one_line_exit_two(runs_dir, args, message):
     out = gpucourse(*args)
     assert out.returncode == 2
     assert message in out.stderr
-    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert not runs_dir.exists() or not any(runs_dir.iterdir())  # nothing was started
 
 
 def test_nccl_without_gpus_is_refused(runs_dir):

@@ -6,6 +6,7 @@ metrics, stops the daemons and checks that nothing of the cluster or the job is 
 """
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -173,15 +174,19 @@ def test_script_runs_one_torchrun_with_the_head_node_and_arguments_intact(tmp_pa
     (dict(nodes=1, gpus_per_node=1, port=70000), "port=70000 is out of range"),
     (dict(nodes=1, gpus_per_node=1, max_restarts=-1), "max_restarts=-1 is out of range"),
     (dict(nodes=1, gpus_per_node=1, output_dir="/tmp/my logs"), "contains a space"),
+    (dict(nodes=1, gpus_per_node=1, args=["--steps", None]), "args[1] is None: each script argument must be a string"),
+    (dict(nodes=1, gpus_per_node=1, args="--steps 3"), "args must be a list of strings"),
 ])
 def test_bad_input_is_refused_with_a_clear_message(runs_dir, kwargs, message):
-    with pytest.raises(SlurmConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(SlurmConfigError, match=re.escape(message)):
         sbatch_script(WORKER, **kwargs)
 
 
 def test_missing_script_is_refused(runs_dir):
     with pytest.raises(SlurmConfigError, match="script not found: nowhere.py"):
         sbatch_script("nowhere.py", nodes=1, gpus_per_node=1)
+    with pytest.raises(SlurmConfigError, match="is a directory: give the path of a Python file in it"):
+        sbatch_script(JOBS, nodes=1, gpus_per_node=1)
 
 
 def test_valid_time_formats_are_accepted(runs_dir):
@@ -208,12 +213,39 @@ def test_cli_writes_the_script_and_says_how_to_submit(tmp_path, runs_dir):
     (["--nodes", "1", "--gpus-per-node", "-2"], "gpus_per_node=-2 is out of range"),
     (["--nodes", "1", "--gpus-per-node", "1", "--time", "soon"], "time 'soon' is not a Slurm time limit"),
     (["--nodes", "1", "--gpus-per-node", "0"], "--procs-per-node"),
+    (["--nodes", "two", "--gpus-per-node", "1"], "argument --nodes: invalid int value: 'two'"),
+    (["--nodes", "1", "--gpus-per-node", "x"], "argument --gpus-per-node: invalid int value: 'x'"),
+    (["--nodes", "1"], "the following arguments are required: --gpus-per-node"),
+    (["--nodes", "1", "--gpus-per-node", "1", "--time", ""], "time '' is not a Slurm time limit"),
+    (["--nodes", "1", "--gpus-per-node", "1", "--time", "1:2:3:4"], "is not a Slurm time limit"),
+    (["--nodes", "1", "--gpus-per-node", "1", "--port", "0"], "port=0 is out of range"),
 ])
 def test_cli_bad_input_one_line_exit_two(runs_dir, args, message):
     out = gpucourse("slurm", str(WORKER), *args)
     assert out.returncode == 2
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert "Traceback" not in out.stderr
+
+
+def test_existing_files_are_never_overwritten(tmp_path, runs_dir):
+    logs, mine = tmp_path / "logs", tmp_path / "mine.sbatch"
+    logs.mkdir()
+    mine.write_text("#!/bin/bash\n# my own edits\n")
+    (logs / "worker.sbatch").write_text("# written earlier, maybe edited since\n")
+    before = {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")}
+    for extra, message in [
+        (["-o", mine], f"{mine} already exists and is left untouched: write to another file (-o FILE)"),
+        ([], f"{logs / 'worker.sbatch'} already exists"),  # the default path
+        (["-o", logs], f"{logs} already exists"),  # a folder
+        (["-o", mine / "x.sbatch"], f"cannot write {mine / 'x.sbatch'}"),  # under a file
+    ]:
+        out = gpucourse("slurm", str(WORKER), "--nodes", "1", "--gpus-per-node", "1", "--output-dir", str(logs),
+                        *map(str, extra))
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    with pytest.raises(SlurmConfigError, match="already exists and is left untouched"):
+        write_sbatch(WORKER, nodes=1, gpus_per_node=1, path=mine)
+    assert {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")} == before
 
 
 def test_cli_missing_script_exit_two(runs_dir):
@@ -390,7 +422,9 @@ def test_real_slurm_runs_the_generated_script(local_slurm, tmp_path, runs_dir):
 
     # Both ranks logged through gpucourse.runtime into the one run dir the script named.
     metrics_dir = runs_dir / f"slurm-test-slurm-{job_id}" / "metrics"
-    records = {int(p.stem[4:]): json.loads(p.read_text().splitlines()[-1]) for p in metrics_dir.glob("rank*.jsonl")}
+    # Each rank's last record from runtime.log (the runtime's own setup/teardown records aside).
+    records = {int(p.stem[4:]): [r for r in map(json.loads, p.read_text().splitlines()) if "event" not in r][-1]
+               for p in metrics_dir.glob("rank*.jsonl")}
     assert sorted(records) == [0, 1]
     for rank, rec in records.items():
         assert rec["world_size"] == 2 and rec["backend"] == "gloo" and rec["allreduce"] == 3.0

@@ -17,6 +17,7 @@ chapter adds its files and needs no change here.
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -26,6 +27,8 @@ BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
 DEFAULT_HINT = "write this part of the exercise (see the docstring)"
 NAME_RE = re.compile(r"^ex(\d{2})_\w+$")
 KEYWORD_TARGETS = ("exercises", "solutions")
+REQUIRED_NAMES = "required_names.json"  # in tests/graders/ of a student release: {exercise: [names]}
+NO_SOLUTIONS = "solutions are not part of this release (made by `gpucourse release`)"
 
 
 class ExerciseError(ValueError):
@@ -106,10 +109,23 @@ def defined_names(tree: ast.Module) -> set[str]:
 
 
 def required_names(name: str) -> list[str]:
-    """The public functions and classes of the solution: what a submission of `name` must define."""
+    """The public functions and classes of the solution: what a submission of `name` must define.
+
+    A student release (`gpucourse release`) has no solutions/: there they come from the graders'
+    REQUIRED_NAMES file, which the release writes from the solutions (names only, no code).
+    """
     path = solution_files().get(name)
     if path is None:
-        return []
+        shipped = graders_dir() / REQUIRED_NAMES
+        try:
+            return list(json.loads(shipped.read_text()).get(name, []))
+        except (OSError, ValueError, AttributeError):
+            return []
+    return public_names(path)
+
+
+def public_names(path: Path) -> list[str]:
+    """The public top-level functions and classes a Python file defines, in order."""
     tree = ast.parse(path.read_text(), str(path))
     return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")]
 
@@ -132,6 +148,9 @@ def check_target(target: str | Path, names: list[str]) -> dict[str, Path]:
     if str(target) not in KEYWORD_TARGETS and Path(target).is_file() and len(names) > 1:
         raise ExerciseError(f"target {target} is one file but {len(names)} exercises were asked for "
                             f"({', '.join(names)}): give a folder, or one exercise's full name")
+    if str(target) == "solutions" and not solutions_dir().is_dir():
+        raise ExerciseError(f"there is no solutions/ folder in {course_root()}: {NO_SOLUTIONS}; "
+                            "grade 'exercises' (the default), a folder or a file")
     files = {}
     for name in names:
         path = target_file(target, name)
@@ -195,6 +214,9 @@ def generate_exercises(check: bool = False, solutions: Path | None = None,
     check=True changes nothing.
     """
     solutions, exercises = solutions or solutions_dir(), exercises or exercises_dir()
+    if not solutions.is_dir():  # a student release: without this, every generated exercise would look orphaned
+        raise ExerciseError(f"there is no solutions folder {solutions}: exercises are generated from it, and "
+                            f"{NO_SOLUTIONS}; exercises/ was left as it is")
     stale = []
     wanted = {}
     for name, src in solution_files(solutions).items():

@@ -4,7 +4,7 @@
       keep     base_lr, whatever the global batch
       linear   the linear scaling rule: base_lr * k, k = global batch / base batch, from the first step
       warmup   the same scaled rate, reached by a linear warmup from base_lr over --warmup-epochs
-               (warmup_scheduler from --schedule-impl: your exercise ex04, or the solution)
+               (warmup_scheduler from --schedule-impl: by default your exercise ex04)
 
 The base batch is one rank's batch (--batch), the batch base_lr is meant for; on N ranks the global batch is
 N * --batch, so k = N. Every run makes --epochs passes over the same training set: N ranks take N times
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from gpucourse import runtime
 
 CLASSES, DIM, CLUSTERS = 10, 16, 12
-SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "ex04_lr_schedule.py"
+EXERCISE = Path(__file__).resolve().parents[1] / "exercises" / "ex04_lr_schedule.py"
 
 
 def make_data(n_train: int, n_test: int, seed: int = 0):
@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--n-train", type=int, default=16384)
     parser.add_argument("--n-test", type=int, default=4096)
     parser.add_argument("--evals-per-epoch", type=int, default=16)
-    parser.add_argument("--schedule-impl", default=str(SOLUTION), help="the file defining warmup_scheduler (ex04)")
+    parser.add_argument("--schedule-impl", default=str(EXERCISE), help="the file defining warmup_scheduler (ex04)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

@@ -1,0 +1,276 @@
+"""`gpucourse release DIR`: the learners' copy of the course, without its solutions.
+
+Why: in the checkout, solutions/ (the single source of the exercises) sits beside exercises/, so learners
+handed the checkout can read the answers, and a submission can load them from disk. A release is what
+learners get instead: the package, exercises/, the graders (tests/graders/), notebooks/, scripts/, data/ and
+the project files — and nothing of solutions/.
+
+- Grading works there as in the checkout (`gpucourse grade EX`, `--target`, `--class`). The one thing the
+  checkout reads from the solutions, the names a submission must define, ships as
+  tests/graders/required_names.json (names only, no code).
+- Notebooks whose smoke parameters (metadata `gpucourse.smoke`, for CI) point into ../solutions/ point at
+  the exercise instead; the scripts and notebooks fall back on a solution only where one exists.
+- Before anything is written, every file of the release is searched for the distinctive lines of every
+  solution (the code its exercise replaces with a stub): one found, and nothing is written.
+- DIR must be new or empty and outside the checkout; nothing is ever deleted or overwritten. RELEASE.txt in
+  DIR records the source commit and what was left out.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+from pathlib import Path
+
+from . import exercises
+from .exercises import BEGIN, END, ExerciseError
+
+# What learners get, relative to the checkout. tests/__init__.py keeps the graders' module names as in the checkout.
+SHIPPED = ("gpucourse", "exercises", "tests/graders", "tests/__init__.py", "notebooks", "scripts", "data",
+           "README.md", "pyproject.toml", "Makefile", "environment.yml")
+SKIPPED_DIRS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache"}
+# Folders shipped without their subfolders: the graders are flat files; tests/graders/mutants/ (broken copies of
+# the solutions that test the graders themselves) must stay home.
+FLAT = {"tests/graders"}
+MANIFEST = "RELEASE.txt"
+MIN_LINE_CHARS = 40  # a solution line this long, absent from its exercise, is distinctive (shorter ones are idioms)
+
+
+class ReleaseError(ValueError):
+    """A release that cannot be made as asked: the message says why and what to do."""
+
+
+# --- what goes in ----------------------------------------------------------------------------------
+def _shipped_files(root: Path) -> dict[str, bytes]:
+    """{relative posix path: content} of every shipped file (no caches, no hidden files)."""
+    files = {}
+    for entry in SHIPPED:
+        path = root / entry
+        if path.is_file():
+            files[entry] = path.read_bytes()
+            continue
+        if not path.is_dir():
+            raise ReleaseError(f"{path} is missing: a release needs {', '.join(SHIPPED)}")
+        for file in sorted(path.glob("*") if entry in FLAT else path.rglob("*")):
+            rel = file.relative_to(root)
+            if (file.is_file() and not file.name.endswith(".pyc")
+                    and not any(part in SKIPPED_DIRS or part.startswith(".") for part in rel.parts)):
+                files[rel.as_posix()] = file.read_bytes()
+    return files
+
+
+def _point_smoke_at_exercises(files: dict[str, bytes]) -> list[str]:
+    """Smoke parameters '../solutions/X' become '../exercises/X' (notebooks only). Returns what changed."""
+    changed = []
+    for rel in [r for r in files if r.startswith("notebooks/") and r.endswith(".ipynb")]:
+        nb = json.loads(files[rel])
+        smoke = nb.get("metadata", {}).get("gpucourse", {}).get("smoke", {})
+        edits = {k: v.replace("/solutions/", "/exercises/") for k, v in smoke.items()
+                 if isinstance(v, str) and "/solutions/" in v}
+        for key, value in edits.items():
+            if f"exercises/{Path(value).name}" not in files:
+                raise ReleaseError(f"{rel}: smoke parameter {key}={smoke[key]!r} points to a solution whose "
+                                   f"exercise {value} is not in the release")
+            smoke[key] = value
+            changed.append(f"{rel}: smoke parameter {key} now {value}")
+        if edits:  # the notebooks' own format (a test keeps them so): one-space indent, sorted keys
+            files[rel] = (json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n").encode()
+    return changed
+
+
+def _readme_note(text: str, commit: str) -> str:
+    note = (f"> **Student release** (`gpucourse release`, from commit {commit[:12]}): this copy has no `solutions/`, "
+            f"none of the course's own tests and no benchmarks; where the text below mentions them, it describes "
+            f"the full course. What was left out: `{MANIFEST}`.\n\n")
+    first, sep, rest = text.partition("\n")
+    return f"{first}\n\n{note}{rest.lstrip(chr(10))}" if first.startswith("# ") and sep else note + text
+
+
+# --- what must not go in ---------------------------------------------------------------------------
+def solution_blocks(source: str) -> list[str]:
+    """The stripped lines inside BEGIN/END SOLUTION fences: the code an exercise replaces with a stub."""
+    lines, inside = [], False
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(BEGIN):
+            inside = True
+        elif stripped.startswith(END):
+            inside = False
+        elif inside and stripped:
+            lines.append(stripped)
+    return lines
+
+
+def distinctive_lines(solution: str, exercise: str) -> list[str]:
+    """Lines of a solution's fenced code that would give it away: long, not comments, and not in the exercise."""
+    return sorted({line for line in solution_blocks(solution)
+                   if len(line) >= MIN_LINE_CHARS and not line.startswith("#") and line not in exercise})
+
+
+def _searchable(rel: str, data: bytes) -> str:
+    """A file's text; a notebook's every string (sources, outputs, metadata), unescaped, one per line."""
+    text = data.decode(errors="replace")
+    if rel.endswith(".ipynb"):
+        strings, stack = [], [json.loads(text)]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                strings.append(item)
+            elif isinstance(item, dict):
+                stack += item.values()
+            elif isinstance(item, list):
+                stack += item
+        text = "\n".join(strings)
+    return text
+
+
+def find_leaks(files: dict[str, bytes], solutions: dict[str, Path]) -> tuple[list[str], int]:
+    """(["path: line of solutions/X.py", ...], how many distinctive lines were looked for).
+
+    A grader states what is expected, so an exercise's own grader (tests/graders/test_<name>.py) is not searched
+    for that exercise's lines: test_ex04's reference restates the formulas the exercise's docstring gives.
+    """
+    texts = {rel: _searchable(rel, data) for rel, data in files.items()}
+    leaks, looked_for = [], 0
+    for name, path in solutions.items():
+        exercise = texts.get(f"exercises/{name}.py", "")
+        lines = distinctive_lines(path.read_text(), exercise)
+        looked_for += len(lines)
+        own_grader = f"tests/graders/test_{name}.py"
+        for rel, text in texts.items():
+            leaks += [f"{rel}: {line!r} (solutions/{path.name})" for line in lines
+                      if rel != own_grader and line in text]
+    return leaks, looked_for
+
+
+# --- where it goes ---------------------------------------------------------------------------------
+def _check_destination(dest: Path, root: Path) -> Path:
+    dest = dest.expanduser().resolve()
+    if dest == root or root in dest.parents:
+        raise ReleaseError(f"{dest} is inside the course checkout {root}: choose a folder outside it")
+    if dest.exists() and not dest.is_dir():
+        raise ReleaseError(f"{dest} exists and is not a folder: choose a new or empty folder")
+    if dest.is_dir() and any(dest.iterdir()):
+        raise ReleaseError(f"{dest} exists and is not empty: choose a new or empty folder (nothing is ever "
+                           "deleted or overwritten)")
+    return dest
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _left_out(root: Path) -> list[str]:
+    top = {Path(entry).parts[0] for entry in SHIPPED}
+    out = [f"{p.name}/" if p.is_dir() else p.name for p in sorted(root.iterdir())
+           if p.name not in top and p.name != ".git"]
+    tests = [f"tests/{p.name}" for p in sorted((root / "tests").iterdir()) if p.name not in ("graders", "__init__.py")]
+    flat = [f"{entry}/{p.name}/" for entry in sorted(FLAT) for p in sorted((root / entry).iterdir())
+            if p.is_dir() and p.name not in SKIPPED_DIRS]
+    return out + tests + flat
+
+
+def _manifest(root: Path, commit: str, dirty: list[str], files: dict[str, bytes], written: list[str],
+              solutions: dict[str, Path], looked_for: int) -> str:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    shown = ", ".join(dirty[:10]) + (f" and {len(dirty) - 10} more" if len(dirty) > 10 else "")
+    state = (f"with uncommitted changes in {len(dirty)} shipped path(s): {shown}" if dirty else
+             "the shipped files matched the commit") if commit != "unknown" else "not a git checkout"
+    lines = ["gpucourse student release", "",
+             f"made:   {stamp} by `gpucourse release`",
+             f"source: {root}",
+             f"commit: {commit} ({state})", "",
+             f"included ({len(files) + 1} files with this one): " + ", ".join(SHIPPED), "",
+             "written for this release:"]
+    lines += [f"  {w}" for w in written]
+    lines += ["", "left out:",
+              f"  solutions/ ({len(solutions)} files: {', '.join(p.name for p in solutions.values())})"]
+    lines += [f"  {entry}" for entry in _left_out(root) if entry != "solutions/"]
+    lines += ["",
+              "so, in this release: `gpucourse make-exercises` and `make exercises` refuse (no solutions/ to generate",
+              "from), `make bench` has no benchmarks to run, `gpucourse grade EX --target solutions` refuses, and",
+              "`make test` finds only the graders (run them with `gpucourse grade EX`).", "",
+              f"checked before writing: no file holds any of the {looked_for} distinctive lines of the solutions",
+              f"(fenced solution code of at least {MIN_LINE_CHARS} characters that is not in its exercise).", ""]
+    return "\n".join(lines)
+
+
+# --- the release ------------------------------------------------------------------------------------
+def make_release(dest: str | Path, root: Path | None = None) -> Path:
+    """Write the learners' copy of the course at `dest` (new or empty, outside the checkout). Returns its manifest.
+
+    Raises ReleaseError before writing anything when dest is unsuitable, the checkout has no solutions/ (a
+    release is made from the course's checkout), exercises/ is out of date, or a solution would leak.
+    """
+    root = (root or exercises.course_root()).resolve()
+    solutions = exercises.solution_files(root / "solutions")
+    if not solutions:
+        raise ReleaseError(f"no solutions/ex*.py in {root}: a release is made from the course's own checkout "
+                           "(this may already be a release)")
+    dest = _check_destination(Path(dest), root)
+    try:
+        stale = exercises.generate_exercises(check=True, solutions=root / "solutions",
+                                             exercises=root / "exercises")
+    except ExerciseError as err:
+        raise ReleaseError(f"exercises/ cannot be checked against solutions/: {err}") from None
+    if stale:
+        raise ReleaseError(f"exercises/ is out of date with solutions/ ({', '.join(p.name for p in stale)}): "
+                           "run `gpucourse make-exercises` first")
+
+    files = _shipped_files(root)
+    commit = (_git(root, "rev-parse", "HEAD") or "unknown").strip() or "unknown"
+    status = _git(root, "status", "--porcelain", "--", *SHIPPED) or ""
+    dirty = sorted(path for path in (line[3:] for line in status.splitlines() if line.strip())
+                   if path in files or any(rel.startswith(path) for rel in files if path.endswith("/")))
+    written = [f"{name}: {why}" for name, why in (
+        (f"tests/graders/{exercises.REQUIRED_NAMES}",
+         "the names each exercise must define (read from the solutions; names only)"),
+        ("README.md", "a note at the top saying what this copy is"))]
+    required = {name: exercises.public_names(path) for name, path in solutions.items()}
+    files[f"tests/graders/{exercises.REQUIRED_NAMES}"] = (json.dumps(required, indent=1) + "\n").encode()
+    files["README.md"] = _readme_note(files["README.md"].decode(), commit).encode()
+    written += _point_smoke_at_exercises(files)
+
+    leaks, looked_for = find_leaks(files, solutions)
+    if leaks:
+        raise ReleaseError(f"nothing written: {len(leaks)} line(s) of solution code would ship, first "
+                           f"{leaks[0]}: remove them from that file, then release again")
+
+    manifest = _manifest(root, commit, dirty, files, written, solutions, looked_for)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        for rel, data in files.items():
+            path = dest / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "xb") as f:  # "x": never over a file that appeared meanwhile
+                f.write(data)
+        with open(dest / MANIFEST, "x") as f:
+            f.write(manifest)
+    except OSError as err:
+        left = (f"{dest} is incomplete (left as it is, with no {MANIFEST})" if dest.exists() else
+                "nothing was written")
+        raise ReleaseError(f"writing the release failed ({err}): {left}; release again into a new folder") from None
+    return dest / MANIFEST
+
+
+# --- command line ------------------------------------------------------------------------------------
+def _cmd_release(args) -> int:
+    """Bad input raises ReleaseError; the CLI (cli.main) prints it as one line and exits 2."""
+    manifest = make_release(args.dir)
+    count = sum(1 for p in manifest.parent.rglob("*") if p.is_file())
+    print(f"release written to {manifest.parent} ({count} files, no solutions); what it holds and what was "
+          f"left out: {manifest}")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    """Register `release` on an argparse subparsers object (func(args) -> exit code)."""
+    p = subparsers.add_parser("release", help="write the learners' copy of the course (no solutions) to DIR",
+                              description="Exit code: 0 written, 2 bad input (DIR not empty or inside the "
+                                          "checkout, exercises/ stale, a solution would leak): nothing written.")
+    p.add_argument("dir", metavar="DIR", help="a new or empty folder outside the checkout")
+    p.set_defaults(func=_cmd_release)

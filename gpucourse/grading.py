@@ -46,6 +46,7 @@ class TestOutcome:
     outcome: str  # passed | failed | error | skipped | not run
     reason: str = ""
     duration: float = 0.0
+    note: str = ""  # shown whatever the outcome: a timed criterion's figure, and whether it was scored
 
     @property
     def passed(self) -> bool:
@@ -54,6 +55,11 @@ class TestOutcome:
     @property
     def score(self) -> float:
         return self.max_score if self.passed else 0.0
+
+    @property
+    def why(self) -> str:
+        """What the report shows beside the result: the reason it did not pass, else the note (if any)."""
+        return self.reason if not self.passed else self.note
 
 
 @dataclass
@@ -88,7 +94,7 @@ class GradeReport:
         lines.append(f"  {'test'.ljust(width)}  points  result")
         for t in self.tests:
             mark = "ok" if t.passed else t.outcome.upper()
-            reason = f"  {t.reason}" if t.reason and not t.passed else ""
+            reason = f"  {t.why}" if t.why else ""
             lines.append(f"  {t.name.ljust(width)}  {_num(t.score):>2}/{_num(t.max_score):<3}  {mark}{reason}")
         lines.append(f"  {'total'.ljust(width)}  {_num(self.score):>2}/{_num(self.max_score):<3}  "
                      f"{self.passed} of {len(self.tests)} tests passed in {self.duration:.0f} s")
@@ -102,7 +108,7 @@ class GradeReport:
             colour = "#2e7d32" if t.passed else "#c62828"
             rows.append(f"<tr><td><code>{html.escape(t.name)}</code></td><td>{_num(t.score)}/{_num(t.max_score)}</td>"
                         f"<td style='color:{colour}'>{'passed' if t.passed else html.escape(t.outcome)}</td>"
-                        f"<td>{'' if t.passed else html.escape(t.reason)}</td></tr>")
+                        f"<td>{html.escape(t.why)}</td></tr>")
         problems = "".join(f"<p style='color:#c62828'>{html.escape(p)}</p>" for p in self.problems)
         return (f"<div><b>{html.escape(self.exercise_id)}: {_num(self.score)} / {_num(self.max_score)} points</b> "
                 f"({self.passed} of {len(self.tests)} tests passed, target {html.escape(self.target)}){problems}"
@@ -119,7 +125,7 @@ class GradeReport:
         return {"score": self.score, "max_score": self.max_score, "execution_time": round(self.duration, 1),
                 "output": "\n".join(self.problems) or f"{self.passed} of {len(self.tests)} tests passed",
                 "tests": [{"name": f"{t.exercise}: {t.name}", "score": t.score, "max_score": t.max_score,
-                           "status": "passed" if t.passed else "failed", "output": t.reason} for t in self.tests]}
+                           "status": "passed" if t.passed else "failed", "output": t.why} for t in self.tests]}
 
 
 def _num(x: float) -> str:
@@ -146,13 +152,33 @@ def _require_pytest() -> None:
         raise ExerciseError("grading runs the graders with pytest, which is not installed: pip install pytest")
 
 
+def _resolve(exercise) -> list[str]:
+    if not isinstance(exercise, str):
+        raise ExerciseError(f"exercise must be an id like 'ex01' or a full name, not {exercise!r}")
+    return exercises.resolve(exercise)
+
+
+def _new_file(option: str, path) -> Path:
+    """A file grading will create: its folder must exist and nothing may be there yet (we never overwrite)."""
+    path = Path(path).expanduser()
+    if path.exists() or path.is_symlink():
+        raise ExerciseError(f"{option} {path} already exists: choose a new file name, or move the old file away")
+    if not path.parent.is_dir():
+        raise ExerciseError(f"{option} {path}: the folder {path.parent} does not exist: create it, or choose another")
+    return path
+
+
 def grade(exercise: str, target: str | Path = "exercises", *, timeout: float = GRADE_TIMEOUT_S) -> GradeReport:
     """Grade `exercise` ('ex01' or a full name) on `target`: 'exercises' (default), 'solutions', a folder or a file.
 
     Raises ExerciseError for an unknown exercise or a target that cannot be graded (missing, or not
     defining the exercise's functions). A submission that fails in any other way is graded.
     """
-    names = exercises.resolve(exercise)
+    names = _resolve(exercise)
+    if not isinstance(target, (str, os.PathLike)):
+        raise ExerciseError(f"target must be 'exercises', 'solutions' or a path, not {target!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ExerciseError(f"timeout must be a positive number of seconds, not {timeout!r}")
     files = exercises.check_target(target, names)
     return run_graders(exercise, names, target, files, timeout=timeout)
 
@@ -173,7 +199,7 @@ def run_graders(exercise: str, names: list[str], target, files: dict[str, Path],
     report.problems += data["collect_errors"]
     for rec in data["tests"]:
         report.tests.append(TestOutcome(Path(rec["file"]).stem.removeprefix("test_"), rec["name"], rec["max_score"],
-                                        rec["outcome"], rec["reason"], round(rec["duration"], 3)))
+                                        rec["outcome"], rec["reason"], round(rec["duration"], 3), rec["note"]))
     return report
 
 
@@ -245,7 +271,7 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         marker = item.get_closest_marker("points")
         _outcomes[item.nodeid] = {"file": str(item.path), "name": item.name, "outcome": "not run", "reason": "",
-                                  "max_score": float(marker.args[0]) if marker else 1.0, "duration": 0.0}
+                                  "max_score": float(marker.args[0]) if marker else 1.0, "duration": 0.0, "note": ""}
 
 
 def pytest_collectreport(report):
@@ -258,6 +284,7 @@ def pytest_runtest_logreport(report):
     if rec is None:
         return
     rec["duration"] += report.duration
+    rec["note"] = dict(report.user_properties).get("note", rec["note"])  # a grader's record_property("note", ...)
     if rec["outcome"] in ("failed", "error", "skipped"):
         return  # the first thing that went wrong is the reason
     if report.failed:
@@ -283,67 +310,76 @@ def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *,
     """Grade every learner folder of `submissions`; write one CSV row per learner and exercise.
 
     Each learner's full report (every test and reason) goes to `<csv stem>-details/<learner>.json` next
-    to the CSV. A learner whose file is missing or broken is graded zero, with the reason. Returns the
-    details folder.
+    to the CSV, as each learner is graded; the CSV is written at the end. A learner whose file is missing
+    or broken is graded zero, with the reason. Existing files are never overwritten: an existing CSV or
+    details folder is refused before anything runs. Returns the details folder.
     """
-    names = exercises.resolve(exercise)
-    submissions, csv_path = Path(submissions).expanduser(), Path(csv_path).expanduser()
+    names = _resolve(exercise)
+    submissions = Path(submissions).expanduser()
     if not submissions.is_dir():
-        raise ExerciseError(f"submissions folder {submissions} does not exist: give one folder per learner in it")
+        what = "is a file, not a folder" if submissions.exists() else "does not exist"
+        raise ExerciseError(f"submissions folder {submissions} {what}: give a folder holding one folder per learner")
     learners = sorted(p for p in submissions.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
     if not learners:
         raise ExerciseError(f"{submissions} has no learner folders: put each learner's files in a folder of its own")
-    _graders_for(names)
+    csv_path = _new_file("--csv", csv_path)
     details = csv_path.with_name(f"{csv_path.stem}-details")
-    details.mkdir(parents=True, exist_ok=True)
-    with open(csv_path, "w", newline="") as f:
+    if details.exists() and (not details.is_dir() or any(details.iterdir())):
+        raise ExerciseError(f"{details} already exists (an earlier grading?): choose another --csv name, "
+                            "or move that folder away")
+    _graders_for(names)
+    details.mkdir(exist_ok=True)
+    rows = []
+    for learner in learners:
+        files = {n: exercises.target_file(learner, n) for n in names}
+        report = run_graders(exercise, names, learner, files)
+        (details / f"{learner.name}.json").write_text(json.dumps(report.to_dict(), indent=1))
+        for name in names:
+            tests = [t for t in report.tests if t.exercise == name]
+            rows.append({"learner": learner.name, "exercise": name,
+                         "tests_passed": sum(t.passed for t in tests), "tests_total": len(tests),
+                         "score": _num(sum(t.score for t in tests)),
+                         "max_score": _num(sum(t.max_score for t in tests))})
+        if progress:
+            progress(f"{learner.name}: {_num(report.score)}/{_num(report.max_score)}")
+    with open(csv_path, "x", newline="") as f:  # "x": never over a file that appeared meanwhile
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
-        for learner in learners:
-            files = {n: exercises.target_file(learner, n) for n in names}
-            report = run_graders(exercise, names, learner, files)
-            (details / f"{learner.name}.json").write_text(json.dumps(report.to_dict(), indent=1))
-            for name in names:
-                tests = [t for t in report.tests if t.exercise == name]
-                writer.writerow({"learner": learner.name, "exercise": name,
-                                 "tests_passed": sum(t.passed for t in tests), "tests_total": len(tests),
-                                 "score": _num(sum(t.score for t in tests)),
-                                 "max_score": _num(sum(t.max_score for t in tests))})
-            f.flush()
-            if progress:
-                progress(f"{learner.name}: {_num(report.score)}/{_num(report.max_score)}")
+        writer.writerows(rows)
     return details
 
 
 # --- command line ------------------------------------------------------------------------------------
 def _cmd_grade(args) -> int:
-    try:
-        if args.class_dir:
-            if not args.csv:
-                raise ExerciseError("--class needs --csv FILE: where to write the class's grades")
-            details = grade_class(args.exercise, args.class_dir, args.csv)
-            print(f"grades: {args.csv}; each learner's details: {details}/")
-            return 0
-        names = exercises.resolve(args.exercise)
-        files = exercises.check_target(args.target, names)
-        print(f"grading {', '.join(names)} on {args.target} (real multi-rank jobs: about a minute)...", flush=True)
-        report = run_graders(args.exercise, names, args.target, files)
-    except ExerciseError as err:
-        print(f"gpucourse grade: {err}", file=sys.stderr)
-        return 2
+    """Bad input raises ExerciseError; the CLI (cli.main) prints it as one line and exits 2."""
+    if args.class_dir:
+        if not args.csv:
+            raise ExerciseError("--class needs --csv FILE: where to write the class's grades")
+        if args.json or args.gradescope or args.target != "exercises":
+            raise ExerciseError("--class grades every learner's folder: leave out --target, --json and --gradescope")
+        details = grade_class(args.exercise, args.class_dir, args.csv)
+        print(f"grades: {args.csv}; each learner's details: {details}/")
+        return 0
+    if args.csv:
+        raise ExerciseError("--csv goes with --class SUBMISSIONS_DIR; for one target use --json FILE")
+    outputs = [(_new_file(opt, path), data) for opt, path, data in (
+        ("--json", args.json, GradeReport.to_dict), ("--gradescope", args.gradescope, GradeReport.to_gradescope))
+        if path]
+    if len({p.resolve() for p, _ in outputs}) < len(outputs):
+        raise ExerciseError("--json and --gradescope name the same file: give two different files")
+    names = _resolve(args.exercise)
+    files = exercises.check_target(args.target, names)
+    print(f"grading {', '.join(names)} on {args.target} (real multi-rank jobs: about a minute)...", flush=True)
+    report = run_graders(args.exercise, names, args.target, files)
     print(report.table())
-    for path, data in ((args.json, report.to_dict()), (args.gradescope, report.to_gradescope())):
-        if path:
-            Path(path).write_text(json.dumps(data, indent=1))
+    for path, data in outputs:
+        with open(path, "x") as f:  # "x": never over a file that appeared while grading
+            json.dump(data(report), f, indent=1)
     return 0 if report.tests and not report.problems else 1
 
 
 def _cmd_make_exercises(args) -> int:
-    try:
-        stale = exercises.generate_exercises(check=args.check)
-    except ExerciseError as err:
-        print(f"gpucourse make-exercises: {err}", file=sys.stderr)
-        return 2
+    stale = exercises.generate_exercises(check=args.check)
     root = exercises.course_root()
     for path in stale:
         shown = path.relative_to(root) if path.is_relative_to(root) else path
@@ -376,13 +412,10 @@ def add_cli(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m gpucourse.grading grade ex01 ...`: the same subcommands as `gpucourse`."""
-    import argparse
+    """`python -m gpucourse.grading grade ex01 ...`: the same as `gpucourse grade ex01 ...`."""
+    from .cli import main as cli_main
 
-    parser = argparse.ArgumentParser(prog="python -m gpucourse.grading")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,23 @@
+"""Fixtures every test shares, and the guarantee that no test leaves a process behind, even when it fails.
+
+Every process a test starts inherits PYTEST_PROCESS_OWNER="<session token>/<test number>" (the launcher's
+agents and ranks, kernels, servers, `gpucourse grade`'s pytest and its jobs: all copy os.environ). After
+each test its survivors are killed; on a passing test they are an error. At the end of the session (of
+each xdist worker) nothing it started may be running any more.
+"""
+import itertools
+import os
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import psutil
 import pytest
+
+from gpucourse.contract import RUN_DIR_ENV, RUNS_ENV
+from gpucourse.grading import RESULTS_ENV
+from gpucourse.procs import terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -12,7 +27,7 @@ JOBS = Path(__file__).resolve().parent / "jobs"
 def runs_dir(tmp_path, monkeypatch):
     """Every test writes its runs into its own folder (parallel tests never share one)."""
     path = tmp_path / "runs"
-    monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(path))
+    monkeypatch.setenv(RUNS_ENV, str(path))
     return path
 
 
@@ -21,7 +36,7 @@ def run_processes(run_dir) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["pid"]):
         try:
-            if proc.environ().get("GPUCOURSE_RUN_DIR") == str(run_dir) and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.environ().get(RUN_DIR_ENV) == str(run_dir) and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except psutil.Error:
             continue
@@ -36,3 +51,108 @@ def listening_ports(pids) -> list:
 @pytest.fixture
 def python():
     return sys.executable
+
+
+# --- no process outlives its test -------------------------------------------------------------------
+OWNER_ENV = "PYTEST_PROCESS_OWNER"
+EXIT_GRACE_S = 5  # a process the test has just stopped may need a moment to go; only leaks ever wait for it
+HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")  # live as long as this process
+_test_numbers = itertools.count()
+
+
+def _owned(env: dict, token: str, dirs) -> bool:
+    """Started under `token` (or a token below it), or running a run, or serving runs, under one of `dirs`."""
+    owner = env.get(OWNER_ENV, "")
+    if owner == token or owner.startswith(token + "/"):
+        return True
+    runs = [env[k] for k in (RUN_DIR_ENV, RUNS_ENV) if env.get(k)]
+    return any(Path(r).is_relative_to(d) for r in runs for d in dirs)
+
+
+def survivors(token: str, since: float, dirs=(), extra=()) -> list[psutil.Process]:
+    """Live processes started since `since` that are `token`'s by their environment (see _owned), and `extra`;
+    never this process, nor multiprocessing's helpers (they end with it).
+
+    A longer-scoped fixture's processes (a server kept for a module) are safe: they started before the test,
+    under the session's token, and what they start later inherits theirs."""
+    found = list(extra)
+    for proc in psutil.process_iter(["create_time"]):
+        if proc.pid == os.getpid() or (proc.info["create_time"] or 0) < since - 2:  # create times: to the second
+            continue
+        try:
+            if _owned(proc.environ(), token, dirs):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    alive = []
+    for proc in {p.pid: p for p in found}.values():
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and not any(h in " ".join(proc.cmdline()) for h in HELPERS):
+                alive.append(proc)
+        except psutil.Error:
+            continue
+    return alive
+
+
+def _kill_survivors(procs: list[psutil.Process]) -> str:
+    """Give `procs` EXIT_GRACE_S to end by themselves, kill the rest; describe what had to be killed."""
+    _, procs = psutil.wait_procs(procs, timeout=EXIT_GRACE_S)
+    lines = []
+    for proc in procs:
+        try:
+            lines.append(f"pid {proc.pid}: {' '.join(' '.join(proc.cmdline()).split())[:160]}")
+        except psutil.Error:
+            continue
+    terminate(procs)
+    return "; ".join(lines)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_outlives_the_session(tmp_path_factory):
+    """This pytest process's token. At the end (each xdist worker checks its own), its descendants, processes
+    with its token and runs under its temp dir must all be gone: any left are killed and fail the session.
+
+    Inside `gpucourse grade`'s own pytest nothing is checked: the test that started the grading owns its jobs."""
+    if os.environ.get(RESULTS_ENV):
+        yield None
+        return
+    parent = os.environ.get(OWNER_ENV)
+    token = f"{parent + '/' if parent else ''}pytest-{os.getpid()}-{time.time_ns()}"
+    base, start = tmp_path_factory.getbasetemp(), time.time()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(OWNER_ENV, token)
+        yield token
+    left = survivors(token, start, [base], extra=psutil.Process().children(recursive=True))
+    if left and (listing := _kill_survivors(left)):
+        pytest.fail(f"processes of this test session were still running at its end (killed now): {listing}",
+                    pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        item.passed_call = report.passed  # read by _no_process_outlives_its_test
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test(request, _no_process_outlives_the_session):
+    """Kill what this test (or its function-scoped fixtures) started that still runs once they have all ended.
+
+    A leak after a passing test is an error; after a failing one, a warning (the failure says what went wrong)."""
+    session = _no_process_outlives_the_session
+    if session is None:
+        yield
+        return
+    token, start = f"{session}/{next(_test_numbers)}", time.time()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(OWNER_ENV, token)
+        yield
+    tmp = request.node.funcargs.get("tmp_path")
+    left = survivors(token, start, [tmp] if tmp else [])
+    if left and (listing := _kill_survivors(left)):
+        message = f"processes this test started outlived it (killed now): {listing}"
+        if getattr(request.node, "passed_call", False):
+            pytest.fail(message, pytrace=False)
+        warnings.warn(pytest.PytestWarning(message))

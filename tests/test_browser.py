@@ -34,7 +34,7 @@ CHAPTER_00 = "00_setup_and_first_launch.ipynb"
 FOREVER = Path(__file__).resolve().parent / "browser_jobs" / "forever.py"
 SCREENSHOT_COPY = Path("/tmp/browser-00.png")
 
-LAB_START_S = 60        # JupyterLab answers in ~10 s on 2 busy cores
+LAB_START_S = 180       # a readiness wait, not a speed check: ~10 s usually, over 60 s under heavy load
 KERNEL_START_S = 120    # page load + kernel start: ~15 s
 RUN_ALL_S = 240         # chapter 00 with NPROCS = [1, 2]: ~40 s alone, far more beside other tests
 STOP_S = 20             # server + kernel shutdown
@@ -125,6 +125,8 @@ def _stop(proc: subprocess.Popen) -> list[psutil.Process]:
 @pytest.fixture
 def lab(tmp_path):
     """A JupyterLab on 127.0.0.1 serving a copy of notebooks/; stopped, kernels included, afterwards."""
+    if not CHROMIUM.exists():  # skip before starting a server nobody will visit
+        pytest.skip(f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium)")
     work = tmp_path / "course"
     shutil.copytree(ROOT / "notebooks", work / "notebooks")
     (work / "scripts").mkdir()

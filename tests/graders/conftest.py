@@ -3,6 +3,11 @@
 Graders run through `gpucourse grade EXERCISE [--target ...]`, which sets GPUCOURSE_GRADE_TARGET to
 'exercises', 'solutions', a folder or a file. A plain `pytest tests/` skips them: the untouched
 exercises are meant to fail.
+
+Timed criteria (a bandwidth, an overlap measured with clocks) go through the `timing` fixture, and
+nowhere else: GPUCOURSE_GRADE_TIMING=report (what the test suite sets) still measures them and shows the
+figure, but leaves the points to the functional checks, so CI never depends on how busy its machine is.
+Learners' grading scores them (the default, GPUCOURSE_GRADE_TIMING=score).
 """
 import os
 from pathlib import Path
@@ -12,6 +17,8 @@ import pytest
 from gpucourse.exercises import target_file
 
 TARGET_ENV = "GPUCOURSE_GRADE_TARGET"
+TIMING_ENV = "GPUCOURSE_GRADE_TIMING"  # "score" (default) or "report"
+collect_ignore_glob = ["mutants"]  # wrong submissions graded by tests/test_mutants.py, never test files
 
 
 def pytest_configure(config):
@@ -41,3 +48,24 @@ def submission(request) -> Path:
     except ValueError as err:  # e.g. null bytes
         pytest.fail(f"{path.name} cannot be compiled: {err}", pytrace=False)
     return path
+
+
+class Timing:
+    """Judges one test's timed criterion; see the module docstring. The figure always reaches the report (as
+    the test's `note`, which gpucourse.grading shows beside the result), scored or not."""
+
+    def __init__(self, record_property, mode: str):
+        self.record, self.scored = record_property, mode != "report"
+
+    def check(self, ok: bool, figure: str, hint: str = "") -> None:
+        """`figure`: what was measured against what bound. Fails the test when it misses and timing is scored.
+
+        Call it after the functional checks of the same test: those always decide, in either mode."""
+        self.record("note", f"timing: {figure}" if self.scored else f"timing: reported, not scored: {figure}")
+        if self.scored and not ok:
+            pytest.fail(f"{figure}; {hint}" if hint else figure, pytrace=False)
+
+
+@pytest.fixture
+def timing(record_property) -> Timing:
+    return Timing(record_property, os.environ.get(TIMING_ENV, "score"))

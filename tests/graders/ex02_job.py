@@ -12,7 +12,8 @@ Cases, for each of DDP and BucketedDDP:
   rank0       rank 1's parameters and buffers are perturbed before wrapping: afterwards every rank holds rank 0's
   equiv       N ranks on batch B reach the parameters one process reaches on the full batch N*B (mean loss),
               step by step, with SGD and AdamW, for a model with a frozen parameter and one with tied weights
-  overlap     when every all_reduce started, against when backward reached the first layer
+  overlap     when every all_reduce started and every handle was waited for, against when backward reached
+              the first layer and when it ended
   buckets     (BucketedDDP only) the bytes of every all_reduce, for a small and a large bucket_size_mb
 
 The submission runs under guard: every all_reduce it starts is recorded (when, how many bytes, whether
@@ -50,10 +51,11 @@ class Guard(jobkit.Guard):
     def __init__(self):
         super().__init__()
         self.calls: list[dict] = []  # {"t": perf_counter at the call, "bytes": ..., "async": ...}
+        self.waits: list[float] = []  # perf_counter at each Work.wait() the submission calls
         self.ddp_used = False
 
     def reset(self) -> None:
-        self.calls = []
+        self.calls, self.waits = [], []
 
     def install(self) -> None:
         from torch.distributed import distributed_c10d as c10d
@@ -63,6 +65,7 @@ class Guard(jobkit.Guard):
             module.all_reduce_coalesced = self._recorder(module.all_reduce_coalesced, async_at=3)
         for name in ("allreduce", "allreduce_coalesced"):  # the process group called directly: always async
             setattr(ProcessGroup, name, self._recorder(getattr(ProcessGroup, name), async_at=None, skip_self=True))
+        dist.Work.wait = self.wrap(dist.Work.wait, lambda *args, **kwargs: self.waits.append(time.perf_counter()))
         guard = self
 
         class ForbiddenDDP(nn.Module):
@@ -238,7 +241,8 @@ def case_overlap(impls, guard, impl):
         backward_end = time.perf_counter()
         ddp.finish_gradient_synchronization()
     calls = [{"t": c["t"] - start, "bytes": c["bytes"], "async": c["async"]} for c in guard.calls]
-    return {"calls": calls, "first_layer_t": reached_first[0] - start if reached_first else None,
+    return {"calls": calls, "waits": [t - start for t in guard.waits],
+            "first_layer_t": reached_first[0] - start if reached_first else None,
             "backward_end_t": backward_end - start, "params": len(unique_params(net))}
 
 

@@ -13,10 +13,11 @@ model by itself on the full batch: the reference. It logs one record per case wi
 Cases: equivalence with the unsplit model for several micro-batch counts (2-d and 3-d activations of
 changing widths), an overlap case whose stages sleep a known time per micro-batch (the tests compare the
 stages' forward times across ranks), and invalid arguments (last: a submission that does not reject them
-may hang, and the watchdog then ends the rank). The submission runs under guard: every collective of
-torch.distributed it calls is recorded (and still runs, so that a rank does not hang waiting for the others),
-point-to-point calls are counted, its output is capped, and a watchdog ends the rank, after logging why,
-when a case runs longer than --case-limit.
+may hang, and the watchdog then ends the rank). Each equivalence case also records the stage's schedule as
+"order": F and f where a forward starts and ends, B where backward reaches its output, S for each send.
+The submission runs under guard: every collective of torch.distributed it calls is recorded (and still
+runs, so that a rank does not hang waiting for the others), point-to-point calls are counted, its output is
+capped, and a watchdog ends the rank, after logging why, when a case runs longer than --case-limit.
 """
 import argparse
 import copy
@@ -36,7 +37,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "all_to_all_single", "barrier", "monitored_barrier", "gather", "gather_object", "scatter",
                "scatter_object_list", "all_reduce_coalesced")
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
-SLEEP_S = 0.03  # per micro-batch forward in the overlap cases: long against the cost of a send
+SLEEP_S = 0.1  # per micro-batch forward in the overlap cases: long against a send, and a busy machine's delays
 SUBMISSION = [""]
 
 
@@ -48,9 +49,10 @@ class Guard(jobkit.Guard):
         super().__init__()
         self.collectives: list[str] = []
         self.p2p = 0
+        self.order = ""  # this rank's schedule: F/f a forward starts/ends, B a backward reaches it, S a send
 
     def reset(self) -> None:
-        self.collectives, self.p2p = [], 0
+        self.collectives, self.p2p, self.order = [], 0, ""
 
     def install(self) -> None:
         from torch.distributed import distributed_c10d as c10d
@@ -69,6 +71,11 @@ class Guard(jobkit.Guard):
                 self.collectives.append(f"dist.{name}")
             else:
                 self.p2p += 1
+                if name in ("send", "isend"):
+                    self.order += "S"
+                elif name == "batch_isend_irecv" and args and isinstance(args[0], (list, tuple)):
+                    self.order += "S" * sum(getattr(getattr(op, "op", None), "__name__", "") == "isend"
+                                            for op in args[0])
 
         wrapper = self.wrap(fn, note)
         wrapper._ex05_wrapped = True
@@ -112,6 +119,19 @@ def watch_forward(stage: nn.Module) -> list[list[float]]:
     return times
 
 
+def watch_order(stage: nn.Module, guard: Guard) -> None:
+    """Note in guard.order when each forward of the stage starts (F) and ends (f), and when backward reaches
+    its output (B): with the sends the guard notes (S), the stage's schedule, whatever the clocks say."""
+
+    def ended(module, args, output):
+        guard.order += "f"
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: setattr(guard, "order", guard.order + "B"))
+
+    stage.register_forward_pre_hook(lambda module, args: setattr(guard, "order", guard.order + "F"))
+    stage.register_forward_hook(ended)
+
+
 def data(batch: int, seq: int | None, in_width: int = 12, out_width: int = 5):
     gen = torch.Generator().manual_seed(7)
     shape = (batch,) if seq is None else (batch, seq)
@@ -126,6 +146,7 @@ def case_equiv(gpipe_step, guard, batch, n_micro, seq=None, sleep=0.0):
     reference = nn.Sequential(*copy.deepcopy(blocks))
     stage = Sleepy(blocks[rank], sleep) if sleep else blocks[rank]
     times = watch_forward(stage)
+    watch_order(stage, guard)
     x, y = data(batch, seq)
     loss_fn = nn.MSELoss()
     ref_loss = loss_fn(reference(x), y)
@@ -143,7 +164,8 @@ def case_equiv(gpipe_step, guard, batch, n_micro, seq=None, sleep=0.0):
     return {"max_grad_diff": max(diffs) if diffs else None, "missing_grads": missing,
             "grad_scale": sum(scales) / len(scales) if scales else None, "returned": returned, "loss": loss,
             "ref_loss": ref_loss.item(), "forward_calls": len(times), "forward_times": times, "n_micro": n_micro,
-            "batch": batch, "collectives": guard.collectives, "p2p_calls": guard.p2p, "world": world}
+            "batch": batch, "collectives": guard.collectives, "p2p_calls": guard.p2p, "world": world,
+            "order": guard.order}
 
 
 def case_invalid(gpipe_step, guard, batch, n_micro):

@@ -11,7 +11,7 @@ runtime.log, for example
 Cases:
   steps-*      common_steps(n) with a different n on each rank (one rank with 0; all equal)
   evaluate-*   evaluate() on uneven eval shards (one rank holds none) against the reference; the model's
-               mode during and after, and no gradients created
+               mode during and after, whether autograd was on in its forwards, and no gradients created
   train-uneven train() on uneven shards against one process that runs the same steps on every rank's batch
 
 The references are computed in this process before the submission is loaded. What the submission does is
@@ -135,6 +135,7 @@ class Tracker:
             mode = "train" if module.training else "eval"
             self.doing(f"the model's forward #{self.forwards} ({mode} mode){self.where()}")
             self.modes.append(mode)
+            self.autograd.append(torch.is_grad_enabled())
 
         def after_forward(module, inputs, output):
             n = self.forwards
@@ -142,7 +143,7 @@ class Tracker:
                 output.register_hook(lambda grad: self.doing(
                     f"backward of forward #{n}, where DDP all-reduces the gradients{self.where()}"))
 
-        self.modes, self.forwards = [], 0  # counted per case
+        self.modes, self.autograd, self.forwards = [], [], 0  # counted per case
         model.register_forward_pre_hook(before_forward)
         model.register_forward_hook(after_forward)
 
@@ -179,7 +180,7 @@ def run_evaluate(module, case: str, ctx, tracker, ref) -> dict:
     value = module.evaluate(model, eval_data(ctx.rank))
     return {"value": float(value) if isinstance(value, (float, int)) and not isinstance(value, bool) else None,
             "type": type(value).__name__, "expected": ref["eval0"], "modes": sorted(set(tracker.modes)),
-            "mode_before": before, "mode_after": model.training,
+            "mode_before": before, "mode_after": model.training, "autograd": any(tracker.autograd),
             "grads": any(p.grad is not None for p in model.parameters())}
 
 

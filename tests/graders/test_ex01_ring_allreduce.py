@@ -5,6 +5,7 @@ the submission and PyTorch's own dist.all_reduce (ex01_job.py); the tests below 
 Every test also requires point-to-point only: a collective anywhere scores zero.
 """
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.grader
 JOB = Path(__file__).with_name("ex01_job.py")
 WORLD_SIZES = (1, 2, 3, 4)
 BANDWIDTH_WORLD = 4
-MIN_BUSBW_RATIO = 0.25  # of gloo's, in the same job; generous: two shared cores make timings noisy
+MIN_BUSBW_RATIO = 0.25  # of gloo's, same job; a correct ring measured 0.5-0.9x with the machine overloaded
 CASE_LIMIT_S = 15
 JOB_TIMEOUT_S = 150
 
@@ -157,16 +158,19 @@ def test_traffic_is_bandwidth_optimal(jobs):
 
 
 @pytest.mark.points(2)
-def test_bus_bandwidth_vs_gloo(jobs):
-    """At 4 MiB on 4 ranks, the ring reaches at least a quarter of gloo's own all_reduce bus bandwidth."""
+def test_bus_bandwidth_vs_gloo(jobs, timing):
+    """At 4 MiB on 4 ranks, the ring reaches at least a quarter of gloo's own all_reduce bus bandwidth (timed)."""
     j = jobs[BANDWIDTH_WORLD]
     check([j], lambda _: ["bandwidth"], p2p_problem)
     recs = j.ranks("bandwidth")
-    # Per repeat the slowest rank sets the time; the best repeat is the least disturbed by the noisy machine.
-    ours = min(max(times) for times in zip(*(r["ours_s"] for r in recs)))
-    gloo = min(max(times) for times in zip(*(r["gloo_s"] for r in recs)))
+    # Per sample the slowest rank sets the time. Ours and gloo's were timed in pairs, back to back: the median
+    # of the pairs' ratios shrugs off the bursts of load (other jobs, other tests) that spoil a few pairs.
+    ours = [max(times) for times in zip(*(r["ours_s"] for r in recs))]
+    gloo = [max(times) for times in zip(*(r["gloo_s"] for r in recs))]
+    ratio = statistics.median(g / o for g, o in zip(gloo, ours))  # = busbw ratio: same bytes, same world
     nbytes, world = recs[0]["nbytes"], BANDWIDTH_WORLD
-    ours_bw, gloo_bw = costs.busbw("all_reduce", nbytes, ours, world), costs.busbw("all_reduce", nbytes, gloo, world)
-    assert ours_bw >= MIN_BUSBW_RATIO * gloo_bw, (
-        f"busbw {ours_bw / 1e9:.3f} GB/s is {ours_bw / gloo_bw:.2f}x gloo's {gloo_bw / 1e9:.3f} GB/s at "
-        f"{nbytes >> 20} MiB on {world} ranks; needs >= {MIN_BUSBW_RATIO}x (whole-chunk tensor ops, no Python loops)")
+    ours_bw, gloo_bw = (costs.busbw("all_reduce", nbytes, statistics.median(t), world) for t in (ours, gloo))
+    timing.check(ratio >= MIN_BUSBW_RATIO,
+                 f"busbw {ratio:.2f}x gloo's (median of {len(ours)} paired samples; {ours_bw / 1e9:.3f} vs "
+                 f"{gloo_bw / 1e9:.3f} GB/s at {nbytes >> 20} MiB on {world} ranks), needs >= {MIN_BUSBW_RATIO}x",
+                 "whole-chunk tensor ops, no Python loops")

@@ -5,7 +5,8 @@ tests below read its records. What is checked, for both classes:
 - the parameters match one process on the full batch, step by step (SGD and AdamW; a frozen parameter,
   tied weights), and every gradient byte is all-reduced exactly once (frozen: never);
 - rank 0's parameters and buffers win over rank 1's at construction;
-- all_reduces start before backward reaches the first layer, asynchronously (measured, not assumed);
+- all_reduces start before backward reaches the first layer, asynchronously, and are not waited for until
+  backward has ended (measured, not assumed);
 - `.module`, and calling the wrapper runs the forward;
 - BucketedDDP: every all_reduce fits in bucket_size_mb (unless one parameter alone is larger), and large
   buckets mean fewer all_reduces than parameters;
@@ -86,6 +87,9 @@ def overlap_problem(rec) -> str | None:
     if not all(c["async"] for c in early):
         return ("an all_reduce during backward was blocking (backward waited for it): pass async_op=True, keep "
                 "the handle, and wait in finish_gradient_synchronization()")
+    if any(t < rec["backward_end_t"] for t in rec.get("waits", [])):
+        return ("an all_reduce's handle was waited for during backward (backward stopped until it was done): "
+                "keep the handles and wait in finish_gradient_synchronization()")
     return None
 
 
@@ -139,7 +143,8 @@ def test_rank0_initial_state_wins(job, impl):
 @pytest.mark.points(2)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_communication_overlaps_backward(job, impl):
-    """In a 6-layer MLP, all_reduces start before backward reaches the first layer, and none of them blocks."""
+    """In a 6-layer MLP, all_reduces start before backward reaches the first layer, and none of them blocks
+    (none is blocking, nor waited for before backward ends)."""
     check(job, [f"{impl}-overlap"], overlap_problem)
 
 

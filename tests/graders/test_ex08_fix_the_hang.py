@@ -107,6 +107,9 @@ def eval_mode_problem(rec) -> str | None:
     if rec["mode_after"] != rec["mode_before"]:
         before = "train" if rec["mode_before"] else "eval"
         return f"the model was in {before} mode before evaluate and is not afterwards: restore its mode"
+    if rec.get("autograd"):
+        return ("evaluate ran the model with autograd on (it records a graph for a backward that never comes): "
+                "run the forwards under torch.no_grad()")
     if rec["grads"]:
         return "evaluate created gradients: run the forwards under torch.no_grad()"
     return None

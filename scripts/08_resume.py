@@ -5,9 +5,15 @@ Every `--ckpt-every` steps all ranks save model + optimizer state with torch.dis
 to a temporary file and renamed, so a crash mid-save never leaves a pointer to half a checkpoint).
 On start, every rank loads the checkpoint `latest` names, if any, and continues from the next step.
 
-Determinism (so a resumed run can equal an uninterrupted one bit for bit): fixed seeds,
-torch.use_deterministic_algorithms, and data that depends only on the step number, never on how
-many steps this process has run.
+A resumed run equals an uninterrupted one bit for bit, at any world size, because the restarted job
+reproduces everything a step depends on:
+- the parameters and the optimizer's state (AdamW's moments and step count): in the checkpoint;
+- the data position: each step's batch is a function of the step number alone, never of how many steps
+  this process has run;
+- random numbers: fixed seeds, and nothing random during training (a model with dropout would also have
+  to save and restore every rank's generator state); torch.use_deterministic_algorithms;
+- the order in which gradients are summed: DDP's gradient buckets, which a new DDP model lays out
+  differently from the one that had run a step (see rebuild_buckets).
 """
 import argparse
 import os
@@ -29,13 +35,15 @@ parser.add_argument("--ckpt-every", type=int, default=5)
 parser.add_argument("--kill-at", type=int, default=-1, help="step at which --kill-rank dies (first attempt only)")
 parser.add_argument("--kill-rank", type=int, default=0)
 parser.add_argument("--ckpt-dir", default=None, help="default: <run dir>/checkpoints")
-parser.add_argument("--batch", type=int, default=16, help="global batch (split over the ranks)")
+parser.add_argument("--batch", type=int, default=24, help="global batch, split evenly over the ranks")
 parser.add_argument("--resume-from", default=None, help="a checkpoint (.../stepNNNNN) to start from, if none of our own")
 args = parser.parse_args()
 
 torch.use_deterministic_algorithms(True)
 ctx = runtime.setup(seed=0, seed_per_rank=False)  # same initial model on every rank
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # 0, then 1 after the first restart
+if args.batch % ctx.world_size:
+    parser.error(f"--batch {args.batch} does not split evenly over {ctx.world_size} ranks")
 ckpt_dir = Path(args.ckpt_dir or ctx.run_dir / "checkpoints")
 latest = ckpt_dir / "latest"
 
@@ -49,7 +57,7 @@ def batch(step: int):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(args.batch, 8, generator=g)
     y = torch.tanh(x @ true_w).unsqueeze(1)
-    per = args.batch // ctx.world_size
+    per = args.batch // ctx.world_size  # whole global batch, no sample dropped: checked above
     return x[ctx.rank * per:(ctx.rank + 1) * per], y[ctx.rank * per:(ctx.rank + 1) * per]
 
 
@@ -78,7 +86,26 @@ def resume() -> int:
     return int(path.name.removeprefix("step")) + 1
 
 
+def rebuild_buckets(step: int) -> None:
+    """Give the restarted DDP the gradient buckets the uninterrupted run had at `step`: one backward, then nothing.
+
+    A new DDP model puts the gradients in one bucket in the order the parameters were defined. Its first
+    backward records the order in which the gradients became ready, and the next forward rebuilds the bucket
+    in that order (here the reverse). The uninterrupted run did so after its step 0; a restarted job would
+    run its first step on the first-iteration layout. With 3 or more ranks, gloo's ring all-reduce adds the
+    ranks' values of an element in an order that depends on where the element sits in the bucket, so the
+    same gradients can sum to a different last bit. This backward's gradients are thrown away and no
+    optimizer step follows: only the layout changes. (With static_graph=True, DDP rebuilds one iteration
+    later: it would need two.)
+    """
+    x, y = batch(step)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.zero_grad()
+
+
 start = resume()
+if start > 0:  # the uninterrupted run had rebuilt its buckets by this step: so must we
+    rebuild_buckets(start)
 print(f"attempt {attempt}: rank {ctx.rank}/{ctx.world_size} starts at step {start}", flush=True)
 for step in range(start, args.steps):
     if attempt == 0 and step == args.kill_at and ctx.rank == args.kill_rank:

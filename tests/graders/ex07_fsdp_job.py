@@ -23,6 +23,7 @@ import argparse
 import copy
 import functools
 import gc
+import time
 import weakref
 
 import torch
@@ -39,6 +40,7 @@ STEPS = 3
 GLOBAL_BATCH = 8
 TOLERANCE = 1e-5
 BF16_TOLERANCE = 1e-2  # bf16 keeps ~3 significant digits: SGD steps from weights ~0.3 stay well within this
+RECHECKS, RECHECK_S = 5, 0.02  # a full-size tensor must stay alive this long (0.1 s) to count as kept
 WHY = "write the sharding yourself"
 FORBID = {"torch.distributed.fsdp:fully_shard": WHY, "torch.distributed.fsdp:FullyShardedDataParallel": WHY,
           "torch.distributed._composable.fsdp:fully_shard": WHY}
@@ -88,7 +90,20 @@ class Allocations(TorchDispatchMode):
         return out
 
     def alive_bytes(self, exclude=()) -> int:
-        """Bytes of the storages still alive among those tensors (each storage once), except `exclude`'s."""
+        """Bytes of the storages still alive among those tensors (each storage once), except `exclude`'s.
+
+        A collective's buffer stays referenced by gloo's worker thread until that thread has finished with the
+        work, which can be after wait() returned: wait for gloo's workers to go idle first; what is alive is
+        then asked again, a few times, before it counts."""
+        runtime.wait_for_gloo_workers()
+        for _ in range(RECHECKS):
+            alive = self._alive_bytes(exclude)
+            if not alive:
+                return 0
+            time.sleep(RECHECK_S)
+        return alive
+
+    def _alive_bytes(self, exclude=()) -> int:
         gc.collect()
         skip = {t.untyped_storage().data_ptr() for t in exclude if t is not None}
         seen = {}

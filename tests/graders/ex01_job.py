@@ -3,26 +3,26 @@
     ex01_job.py SUBMISSION.py [--case-limit SECONDS] [--bandwidth]
 
 test_ex01_ring_allreduce.py launches it through gpucourse.launch, once per world size. Each rank
-logs one record per case with runtime.log (the tests read them from RunResult.metrics):
+logs one record per case through jobkit.record_writer, in runtime.log's format (the tests read them from
+RunResult.metrics):
 
     {"case": "awkward-n5", "group": "awkward", "error": None, "matches": True, "in_place": True,
      "collectives": [], "sent_bytes": 40, "nbytes": 20, ...}
 
-The submission runs under guard: every collective of torch.distributed (and of ProcessGroup) is
-recorded while it runs, the bytes it sends are counted, what it prints is capped, and a watchdog
+The submission runs under guard: every collective it calls is recorded while it runs, through whichever layer
+(comm_recorder: dist, c10d, the functional collectives, ProcessGroup/Backend), the bytes it sends are
+counted, what it prints is capped, and a watchdog
 ends the rank (after logging why) when a case takes longer than --case-limit: a deadlock, an endless
 loop or an early exit costs the cases it breaks, not the grading run.
 """
 import argparse
-import contextlib
 import os
 import re
 import time
 
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import Backend, ProcessGroup
 
+import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
 from gpucourse import runtime
 
@@ -31,65 +31,23 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 BANDWIDTH_BYTES = 4 * 2**20
 BANDWIDTH_REPEATS = 9  # paired samples (ours, then gloo's): the grader takes the median of their ratios
 BANDWIDTH_CALLS = 3  # back-to-back calls per sample: one call (~15 ms) is shorter than a busy machine's hiccups
-# Collective method names of ProcessGroup, Backend and the functional collectives (not send/recv, not allocate_*).
-COLLECTIVE_RE = re.compile(r"^_?(all_?(reduce|gather|to_?all)|reduce|gather|scatter|broadcast|(monitored_)?barrier)")
-DIST_COLLECTIVES = (
-    "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "broadcast_object_list", "_broadcast_coalesced",
-    "all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather_coalesced",
-    "all_gather_object", "gather", "gather_object", "scatter", "scatter_object_list", "reduce_scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "all_to_all", "all_to_all_single",
-    "barrier", "monitored_barrier")
 PEER_LOST = re.compile(r"Connection closed by peer|Read error|Connection reset|Broken pipe")  # another rank died
 SUBMISSION = [""]  # its path, set by main(): tracebacks are reported at the submission's own lines
-REAL_ALL_REDUCE, REAL_BARRIER = dist.all_reduce, dist.barrier  # the job's own, kept before the guard wraps them
 
 
 # --- the guard: what the submission calls, sends and prints ---------------------------------------
 class Guard(jobkit.Guard):
-    """Wraps torch.distributed while the submission runs. The wrapped calls still work (so correctness is
-    still checked); the tests score zero when a collective was used."""
+    """While the submission runs, comm_recorder notes every collective it calls, through any layer, and the
+    bytes it sends. The calls still work (so correctness is still checked); the tests score zero when a
+    collective was used. The grader's own dist.all_reduce and barrier run outside watching(): unrecorded."""
 
-    def __init__(self):
-        super().__init__()
-        self.collectives: list[str] = []
-        self.sent_bytes = 0
+    @property
+    def collectives(self) -> list[str]:
+        return self.comm.collectives()
 
-    def reset(self) -> None:
-        self.collectives, self.sent_bytes = [], 0
-
-    def install(self) -> None:
-        from torch.distributed import distributed_c10d as c10d
-
-        for module in (dist, c10d):
-            for name in DIST_COLLECTIVES:
-                if callable(getattr(module, name, None)):
-                    setattr(module, name, self._recorder(f"dist.{name}", getattr(module, name)))
-        with contextlib.suppress(ImportError):
-            import torch.distributed._functional_collectives as funcol
-
-            for name, fn in list(vars(funcol).items()):
-                if callable(fn) and not isinstance(fn, type) and COLLECTIVE_RE.search(name):
-                    setattr(funcol, name, self._recorder(f"functional_collectives.{name}", fn))
-        for cls in (ProcessGroup, Backend):  # the process group and its gloo backend, called directly
-            for name, fn in list(vars(cls).items()):
-                if COLLECTIVE_RE.search(name) and callable(fn):
-                    setattr(cls, name, self._recorder(f"{cls.__name__}.{name}", fn))
-            cls.send = self._counter(cls.send)  # every send, isend and batch_isend_irecv ends in one of these
-
-    def _counter(self, real_send):
-        def send(pg, tensors, *args, **kwargs):
-            if self.active:
-                self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
-            return real_send(pg, tensors, *args, **kwargs)
-
-        return send
-
-    def _recorder(self, name, fn):
-        def note(*args, **kwargs):
-            if name not in self.collectives:
-                self.collectives.append(name)
-
-        return self.wrap(fn, note)
+    @property
+    def sent_bytes(self) -> int:
+        return self.comm.sent_bytes
 
 
 # --- the cases --------------------------------------------------------------------------------------
@@ -134,17 +92,17 @@ def one_line(err: BaseException) -> str:
     return jobkit.one_line(err, SUBMISSION[0])
 
 
-def reference(tensor: torch.Tensor, values: str) -> torch.Tensor:
-    """PyTorch's own all_reduce (called outside the guard); integer data is summed in float64, exactly."""
+def reference(guard, tensor: torch.Tensor, values: str) -> torch.Tensor:
+    """PyTorch's own all_reduce (the grader's, outside the watch); integer data is summed in float64, exactly."""
     expected = tensor.to(torch.float64 if values == "ints" else tensor.dtype, copy=True)  # never the input itself
-    REAL_ALL_REDUCE(expected)
+    guard.dist.all_reduce(expected)
     return expected.to(tensor.dtype)
 
 
 def run_case(fn, guard, index, case, group, shape, dtype, values) -> dict:
     ctx = runtime.context()
     tensor = make_input(index, ctx.rank, shape, dtype, values)
-    expected = reference(tensor, values)
+    expected = reference(guard, tensor, values)
     ptr, record = tensor.data_ptr(), {"case": case, "group": group, "numel": tensor.numel(),
                                       "nbytes": tensor.numel() * tensor.element_size(), "elem": tensor.element_size()}
     try:
@@ -172,9 +130,9 @@ def measure_bandwidth(fn, guard, world) -> dict:
     ours, gloo, used = [], [], set()
     buf = torch.randn(n)
     for repeat in range(BANDWIDTH_REPEATS + 1):  # the first round warms up both
-        for name, call, times in (("ours", fn, ours), ("gloo", REAL_ALL_REDUCE, gloo)):
+        for name, call, times in (("ours", fn, ours), ("gloo", guard.dist.all_reduce, gloo)):
             works = [buf.clone() for _ in range(BANDWIDTH_CALLS)]
-            REAL_BARRIER()
+            guard.dist.barrier()
             start = time.perf_counter()
             for work in works:
                 if name == "ours":
@@ -197,26 +155,27 @@ def main() -> None:
     args = parser.parse_args()
     SUBMISSION[0] = os.path.abspath(args.submission)
     ctx = runtime.setup(seed=0)
-    guard, watchdog = Guard(), jobkit.Watchdog(
-        "a deadlock (a rank waiting for a message never sent), an endless loop, or far too slow")
-    guard.install()
+    log = jobkit.record_writer()  # before the submission is imported: see record_writer
+    guard, watchdog = Guard(comm_recorder.install()), jobkit.Watchdog(
+        "a deadlock (a rank waiting for a message never sent), an endless loop, or far too slow", log)
     cases = plan(ctx.world_size)
-    runtime.log(case="plan", cases={case: group for case, group, *_ in cases})
+    log(case="plan", cases={case: group for case, group, *_ in cases})
 
-    module = jobkit.import_or_exit(args.submission, "ex01", [FUNCTION], guard.watching, watchdog, args.case_limit)
+    module = jobkit.import_or_exit(args.submission, "ex01", [FUNCTION], guard.watching, watchdog, args.case_limit,
+                                   log)
     fn = getattr(module, FUNCTION)
 
     for index, (case, group, shape, dtype, values) in enumerate(cases):
         with watchdog.case_limit(case, group, args.case_limit):
-            runtime.log(**run_case(fn, guard, index, case, group, shape, dtype, values))
+            log(**run_case(fn, guard, index, case, group, shape, dtype, values))
     if args.bandwidth and ctx.world_size > 1:
         with watchdog.case_limit("bandwidth", "bandwidth", 4 * args.case_limit):
             try:
                 record = {"error": None, **measure_bandwidth(fn, guard, ctx.world_size)}
             except BaseException as err:  # noqa: BLE001
                 record = {"error": one_line(err), "collectives": guard.collectives}
-            runtime.log(case="bandwidth", group="bandwidth", **record)
-    runtime.log(case="done")
+            log(case="bandwidth", group="bandwidth", **record)
+    log(case="done")
     runtime.teardown()
 
 

@@ -2,8 +2,8 @@
 
     ex02_job.py SUBMISSION.py [--case-limit SECONDS]
 
-test_ex02_ddp.py launches it through gpucourse.launch. Each rank logs one record per case with
-runtime.log (the tests read them from RunResult.metrics), for example
+test_ex02_ddp.py launches it through gpucourse.launch. Each rank logs one record per case through
+jobkit.record_writer (runtime.log's format; the tests read them from RunResult.metrics), for example
 
     {"case": "DDP-tied-adamw", "group": "equiv", "error": None, "max_diff": [3e-08, ...], "comm_bytes": [...]}
 
@@ -16,10 +16,10 @@ Cases, for each of DDP and BucketedDDP:
               the first layer and when it ended
   buckets     (BucketedDDP only) the bytes of every all_reduce, for a small and a large bucket_size_mb
 
-The submission runs under guard: every all_reduce it starts is recorded (when, how many bytes, whether
-asynchronous), torch's own DistributedDataParallel is replaced by a class that refuses to run, what it
-prints is capped, and a watchdog ends the rank (after logging why) when a case takes longer than
---case-limit: a deadlock or an endless loop costs the cases it breaks, not the grading run.
+The submission runs under guard: every all_reduce it starts is recorded through any layer (comm_recorder: when,
+how many bytes, whether asynchronous), torch's own DistributedDataParallel is replaced by a class that refuses
+to run, what it prints is capped, and a watchdog ends the rank (after logging why) when a case takes longer
+than --case-limit: a deadlock or an endless loop costs the cases it breaks, not the grading run.
 """
 import argparse
 import copy
@@ -29,8 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import ProcessGroup
 
+import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
 from gpucourse import runtime
 
@@ -43,49 +43,37 @@ EQUIV_BUCKET_MB = 0.001  # ~1 KiB: the small equivalence models still get severa
 OVERLAP_BUCKET_MB = 0.3  # one 256x256 layer (257 KiB) per bucket
 SMALL_BUCKET_MB, LARGE_BUCKET_MB = 0.05, 100.0
 TOLERANCE = 1e-5  # float32, a few steps; the reference reaches ~1e-7
-REAL_BROADCAST = dist.broadcast  # the job's own, kept before the guard wraps anything
 
 
 # --- the guard: which all_reduces the submission starts, and whether it reaches for torch's DDP ----------
+# torch's own data parallelism, replaced by refusals (jobkit.ban checks that each name exists in this torch).
+BANNED = {f"{module}:DistributedDataParallel": "not allowed in ex02: synchronise the gradients yourself"
+          for module in ("torch.nn.parallel", "torch.nn.parallel.distributed")}
+
+
 class Guard(jobkit.Guard):
-    def __init__(self):
-        super().__init__()
-        self.calls: list[dict] = []  # {"t": perf_counter at the call, "bytes": ..., "async": ...}
-        self.waits: list[float] = []  # perf_counter at each Work.wait() the submission calls
-        self.ddp_used = False
+    """The all_reduces the submission starts (when, how many bytes, whether asynchronous), through any layer, and
+    when it waits on a handle: comm_recorder's events of the last watch."""
 
-    def reset(self) -> None:
-        self.calls, self.waits = [], []
+    def __init__(self, comm):
+        super().__init__(comm)
+        self.banned_used: list[str] = []
+        jobkit.ban(BANNED, self.banned_used)
 
-    def install(self) -> None:
-        from torch.distributed import distributed_c10d as c10d
+    @property
+    def ddp_used(self) -> bool:
+        return bool(self.banned_used)
 
-        for module in (dist, c10d):
-            module.all_reduce = self._recorder(module.all_reduce, async_at=3)
-            module.all_reduce_coalesced = self._recorder(module.all_reduce_coalesced, async_at=3)
-        for name in ("allreduce", "allreduce_coalesced"):  # the process group called directly: always async
-            setattr(ProcessGroup, name, self._recorder(getattr(ProcessGroup, name), async_at=None, skip_self=True))
-        dist.Work.wait = self.wrap(dist.Work.wait, lambda *args, **kwargs: self.waits.append(time.perf_counter()))
-        guard = self
+    @property
+    def calls(self) -> list[dict]:
+        """{"t": perf_counter at the call, "bytes": ..., "async": ...} of each all_reduce."""
+        return [{"t": e["t"], "bytes": e["bytes"], "async": e["async"]} for e in self.comm.events
+                if e["op"] in ("all_reduce", "all_reduce_coalesced")]
 
-        class ForbiddenDDP(nn.Module):
-            def __init__(self, *args, **kwargs):
-                guard.ddp_used = True
-                raise RuntimeError("torch.nn.parallel.DistributedDataParallel is not allowed in ex02: "
-                                   "synchronise the gradients yourself")
-
-        torch.nn.parallel.DistributedDataParallel = ForbiddenDDP
-        torch.nn.parallel.distributed.DistributedDataParallel = ForbiddenDDP
-
-    def _recorder(self, fn, async_at, skip_self=False):
-        def note(*args, **kwargs):
-            given = args[1:] if skip_self else args
-            is_async = True if async_at is None else bool(
-                given[async_at] if len(given) > async_at else kwargs.get("async_op", False))
-            self.calls.append({"t": time.perf_counter(), "bytes": jobkit.nbytes(given[0] if given else None),
-                               "async": is_async})
-
-        return self.wrap(fn, note)
+    @property
+    def waits(self) -> list[float]:
+        """perf_counter at each Work.wait() the submission calls."""
+        return [e["t"] for e in self.comm.events if e["kind"] == "wait"]
 
 
 # --- the models ----------------------------------------------------------------------------------
@@ -180,7 +168,7 @@ def case_rank0(impls, guard, impl):
             net.net[1].num_batches_tracked.fill_(7)
             net.offset.add_(3.0)
     rank0 = flat_state(net)
-    REAL_BROADCAST(rank0, src=0)
+    guard.dist.broadcast(rank0, src=0)
     with guard.watching():
         wrap(impls, impl, net, LARGE_BUCKET_MB)
     names = [n for n, _ in net.named_parameters()] + [n for n, _ in net.named_buffers()]
@@ -300,19 +288,19 @@ def main() -> None:
     parser.add_argument("--case-limit", type=float, default=20.0)
     args = parser.parse_args()
     runtime.setup(seed=0)
-    guard, watchdog = Guard(), jobkit.Watchdog(
-        "a deadlock (a handle waited on that the other rank never matched), an endless loop, or far too slow")
-    guard.install()
+    log = jobkit.record_writer()  # before the submission is imported: see record_writer
+    guard, watchdog = Guard(comm_recorder.install()), jobkit.Watchdog(
+        "a deadlock (a handle waited on that the other rank never matched), an endless loop, or far too slow", log)
     cases = plan()
-    runtime.log(case="plan", cases={case: group for case, group, _ in cases})
+    log(case="plan", cases={case: group for case, group, _ in cases})
 
     def ddp_used() -> dict:  # every record, the import's too, says whether torch's DDP was reached for
         return {"ddp_used": guard.ddp_used}
 
-    module = jobkit.import_or_exit(args.submission, "ex02", IMPLS, guard.watching, watchdog, args.case_limit,
+    module = jobkit.import_or_exit(args.submission, "ex02", IMPLS, guard.watching, watchdog, args.case_limit, log,
                                    fields=ddp_used)
     impls = {name: getattr(module, name) for name in IMPLS}
-    jobkit.run_cases(cases, (impls, guard), watchdog, args.case_limit, args.submission, fields=ddp_used)
+    jobkit.run_cases(cases, (impls, guard), watchdog, args.case_limit, args.submission, log, fields=ddp_used)
     runtime.teardown()
 
 

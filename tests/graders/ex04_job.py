@@ -4,8 +4,8 @@
 
 test_ex04_lr_schedule.py launches it through gpucourse.launch on 1, 2 and 4 ranks. Each rank sets up the
 schedule for its own job, as a training script would: per-rank batch B, so base batch B (one rank) and
-global batch world_size * B. It logs one record per case with runtime.log; the tests compare the values
-with their own reference:
+global batch world_size * B. It logs one record per case (jobkit.record_writer, in runtime.log's format);
+the tests compare the values with their own reference:
 
     {"case": "warmup", "group": "ramp", "fn": "warmup_lr", "kwargs": {...}, "steps": [0, 1, ...],
      "values": [0.1, 0.13, ...], "error": None}
@@ -205,17 +205,19 @@ def main() -> None:
     # The first optimizer a process creates imports torch's compiler stack (5 s or more on a busy machine):
     # pay for it here, not inside a case's time limit.
     torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), lambda _: 1.0)
-    watchdog, capped = jobkit.Watchdog("an endless loop, or far too slow"), jobkit.CappedOutput()
+    log = jobkit.record_writer()  # before the submission is imported: see record_writer
+    watchdog, capped = jobkit.Watchdog("an endless loop, or far too slow", log), jobkit.CappedOutput()
     cases = plan(ctx.world_size, args.batch_per_rank)
-    runtime.log(case="plan", cases={c["case"]: c["group"] for c in cases}, world_size=ctx.world_size,
-                batch_per_rank=args.batch_per_rank)
-    module = jobkit.import_or_exit(args.submission, "ex04", FUNCTIONS, capped.capturing, watchdog, args.case_limit)
+    log(case="plan", cases={c["case"]: c["group"] for c in cases}, world_size=ctx.world_size,
+        batch_per_rank=args.batch_per_rank)
+    module = jobkit.import_or_exit(args.submission, "ex04", FUNCTIONS, capped.capturing, watchdog, args.case_limit,
+                                   log)
     for case in cases:
         with watchdog.case_limit(case["case"], case["group"], args.case_limit):
             with capped.capturing():
                 record = run_case(module, case, ctx)
-            runtime.log(**record)
-    runtime.log(case="done")
+            log(**record)
+    log(case="done")
     runtime.teardown()
 
 

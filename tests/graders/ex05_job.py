@@ -4,7 +4,7 @@
 
 test_ex05_gpipe.py launches it through gpucourse.launch on 2 and 4 ranks (one stage per rank). Every rank
 builds the same model from the same seed, keeps its own slice of it as its stage, and also runs the whole
-model by itself on the full batch: the reference. It logs one record per case with runtime.log, e.g.
+model by itself on the full batch: the reference. It logs one record per case (jobkit.record_writer), e.g.
 
     {"case": "equiv-p2-m4", "group": "equiv", "error": None, "max_grad_diff": 3e-9, "grad_scale": 0.4,
      "loss": 0.81, "ref_loss": 0.81, "returned": "tensor", "forward_calls": 4, "forward_times": [[t0, t1], ...],
@@ -15,7 +15,7 @@ changing widths), an overlap case whose stages sleep a known time per micro-batc
 stages' forward times across ranks), and invalid arguments (last: a submission that does not reject them
 may hang, and the watchdog then ends the rank). Each equivalence case also records the stage's schedule as
 "order": F and f where a forward starts and ends, B where backward reaches its output, S for each send.
-The submission runs under guard: every collective of torch.distributed it calls is recorded (and still
+The submission runs under guard: every collective it calls, through any layer, is recorded (and still
 runs, so that a rank does not hang waiting for the others), point-to-point calls are counted, its output is
 capped, and a watchdog ends the rank, after logging why, when a case runs longer than --case-limit.
 """
@@ -29,57 +29,37 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
 from gpucourse import runtime
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-               "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-               "all_to_all_single", "barrier", "monitored_barrier", "gather", "gather_object", "scatter",
-               "scatter_object_list", "all_reduce_coalesced")
-POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 SLEEP_S = 0.1  # per micro-batch forward in the overlap cases: long against a send, and a busy machine's delays
 SUBMISSION = [""]
 
 
 # --- the guard ------------------------------------------------------------------------------------
 class Guard(jobkit.Guard):
-    """Records the collectives and counts the point-to-point calls the submission makes."""
+    """Records the collectives and counts the point-to-point calls the submission makes (comm_recorder: any
+    layer), and notes each send in the stage's schedule as it happens."""
 
-    def __init__(self):
-        super().__init__()
-        self.collectives: list[str] = []
-        self.p2p = 0
+    def __init__(self, comm):
+        super().__init__(comm)
         self.order = ""  # this rank's schedule: F/f a forward starts/ends, B a backward reaches it, S a send
+        comm.on_event = self._noted
 
     def reset(self) -> None:
-        self.collectives, self.p2p, self.order = [], 0, ""
+        self.order = ""
 
-    def install(self) -> None:
-        from torch.distributed import distributed_c10d as c10d
+    def _noted(self, event: dict) -> None:
+        self.order += "S" * event["sends"]
 
-        for module in (dist, c10d):
-            for name in COLLECTIVES + POINT_TO_POINT:
-                if hasattr(module, name):
-                    setattr(module, name, self._recorder(getattr(module, name), name))
+    @property
+    def collectives(self) -> list[str]:
+        return self.comm.collectives()
 
-    def _recorder(self, fn, name):
-        if getattr(fn, "_ex05_wrapped", False):  # dist and c10d share some function objects
-            return fn
-
-        def note(*args, **kwargs):
-            if name in COLLECTIVES:
-                self.collectives.append(f"dist.{name}")
-            else:
-                self.p2p += 1
-                if name in ("send", "isend"):
-                    self.order += "S"
-                elif name == "batch_isend_irecv" and args and isinstance(args[0], (list, tuple)):
-                    self.order += "S" * sum(getattr(getattr(op, "op", None), "__name__", "") == "isend"
-                                            for op in args[0])
-
-        wrapper = self.wrap(fn, note)
-        wrapper._ex05_wrapped = True
-        return wrapper
+    @property
+    def p2p(self) -> int:
+        return sum(e["kind"] == "p2p" for e in self.comm.events)
 
 
 def one_line(err: BaseException) -> str:
@@ -210,16 +190,17 @@ def main() -> None:
     # The first `tensor.backward(gradient)` of a process imports sympy (seconds on a loaded machine): pay for it
     # here, not inside the first case's time limit (and not as a stall of every stage waiting for the next).
     torch.ones(2, requires_grad=True).mul(2).backward(torch.ones(2))
-    guard, watchdog = Guard(), jobkit.Watchdog(
+    log = jobkit.record_writer()  # before the submission is imported: see record_writer
+    guard, watchdog = Guard(comm_recorder.install()), jobkit.Watchdog(
         "a deadlock (a recv no rank sends to, or two ranks both waiting in send/recv for each other), an endless "
-        "loop, or far too slow")
-    guard.install()
+        "loop, or far too slow", log)
     cases = plan(ctx.world_size)
-    runtime.log(case="plan", cases={case: group for case, group, _ in cases})
+    log(case="plan", cases={case: group for case, group, _ in cases})
 
-    module = jobkit.import_or_exit(args.submission, "ex05", ["gpipe_step"], guard.watching, watchdog, args.case_limit)
+    module = jobkit.import_or_exit(args.submission, "ex05", ["gpipe_step"], guard.watching, watchdog, args.case_limit,
+                                   log)
     # A case that raised still reports the collectives it had called (its own record has them otherwise).
-    jobkit.run_cases(cases, (module.gpipe_step, guard), watchdog, args.case_limit, args.submission,
+    jobkit.run_cases(cases, (module.gpipe_step, guard), watchdog, args.case_limit, args.submission, log,
                      fields=lambda: {"collectives": guard.collectives})
     runtime.teardown()
 

@@ -5,7 +5,7 @@
 test_ex06_tensor_parallel.py launches it on 1, 2 and 4 ranks. Every rank builds the same dense layers and
 inputs from a fixed seed, loads them into the submission's layers (`from_dense`), runs forward and backward,
 and compares this rank's outputs and gradients with the matching slices of the dense ones. Each rank logs
-one record per case with runtime.log:
+one record per case (jobkit.record_writer, in runtime.log's format):
 
     {"case": "column-bias-gather", "group": "column", "error": None,
      "mismatches": ["weight.grad differs from rows 4:8 of the dense weight's gradient by 0.31 ..."]}
@@ -16,8 +16,8 @@ nn.Sequential(fc1, GELU, fc2)), mlp-collectives (every collective started during
 backward), divisible-* (a size the group does not divide: ValueError naming both sizes; 2 and 4 ranks), and
 groups (4 ranks only: two tensor-parallel groups of 2, each with its own input).
 
-The submission runs under a guard that records every torch.distributed collective it starts (and refuses
-nothing), with what it prints capped and a watchdog per case: a deadlock costs the cases it breaks.
+The submission runs under a guard that records every collective it starts, through any layer (comm_recorder;
+it refuses nothing), with what it prints capped and a watchdog per case: a deadlock costs the cases it breaks.
 """
 import argparse
 import functools
@@ -27,52 +27,30 @@ import re
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import ProcessGroup
 
+import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
 from gpucourse import runtime
 
 SUBMISSION = [""]
 TOLERANCE = 1e-5  # float32; the reference differs from dense by ~1e-7 (the order of the sums)
 BATCH, SEQ, HIDDEN, FFN = 2, 3, 8, 16  # small, divisible by 1, 2 and 4
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all", "all_to_all_single", "scatter",
-               "gather", "send", "recv", "isend", "irecv", "barrier", "all_reduce_coalesced", "batch_isend_irecv")
-FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
-              "all_reduce_coalesced", "all_gather_into_tensor_coalesced")
-PG_METHODS = ("allreduce", "allgather", "_allgather_base", "allgather_into_tensor_coalesced", "reduce_scatter",
-              "_reduce_scatter_base", "broadcast", "reduce", "alltoall", "alltoall_base", "send", "recv", "barrier",
-              "gather", "scatter", "allreduce_coalesced")
 
 
 # --- the guard: every collective the submission starts, by phase ------------------------------------
 class Guard(jobkit.Guard):
-    def __init__(self):
-        super().__init__()
+    """Every collective and point-to-point call the submission starts (comm_recorder: any layer), stamped with
+    the phase it ran in. `calls` is kept across watches (forward, then backward); the job empties it itself."""
+
+    def __init__(self, comm):
+        super().__init__(comm)
         self.phase = "forward"
-        self.calls: list[dict] = []  # {"phase", "op", "bytes"}; kept across watches (forward, then backward)
+        self.calls: list[dict] = []  # {"phase", "op", "bytes"}
+        comm.on_event = self._noted
 
-    def install(self) -> None:
-        from torch.distributed import _functional_collectives as funcol
-        from torch.distributed import distributed_c10d as c10d
-
-        for module in (dist, c10d):
-            for name in COLLECTIVES:
-                if hasattr(module, name):
-                    setattr(module, name, self._recorder(getattr(module, name), name))
-        for name in FUNCTIONAL:
-            if hasattr(funcol, name):
-                setattr(funcol, name, self._recorder(getattr(funcol, name), f"functional {name}"))
-        for name in PG_METHODS:  # the process group called directly
-            if hasattr(ProcessGroup, name):
-                setattr(ProcessGroup, name, self._recorder(getattr(ProcessGroup, name), f"ProcessGroup.{name}"))
-
-    def _recorder(self, fn, op: str):
-        def note(*args, **kwargs):
-            self.calls.append({"phase": self.phase, "op": op,
-                               "bytes": jobkit.nbytes(args[:1] if op == "all_reduce" else args)})
-
-        return self.wrap(fn, note)
+    def _noted(self, event: dict) -> None:
+        if event["kind"] != "wait":
+            self.calls.append({"phase": self.phase, "op": event["op"], "bytes": event["bytes"]})
 
     def watching(self, phase: str = "forward"):
         """Run the submission: record its collectives under `phase`, cap what it prints."""
@@ -305,16 +283,17 @@ def main() -> None:
     world = rt.world_size
     # Every rank takes part in creating every group (torch.distributed's rule), before the guard is on.
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])] if world == 4 else None
-    guard, watchdog = Guard(), jobkit.Watchdog(
-        "a deadlock (a collective that the other ranks never matched), an endless loop, or far too slow")
-    guard.install()
+    log = jobkit.record_writer()  # before the submission is imported: see record_writer
+    guard, watchdog = Guard(comm_recorder.install()), jobkit.Watchdog(
+        "a deadlock (a collective that the other ranks never matched), an endless loop, or far too slow", log)
     cases = plan(world, rt.rank, halves)
-    runtime.log(case="plan", cases={case: group for case, group, _ in cases}, world_size=world)
+    log(case="plan", cases={case: group for case, group, _ in cases}, world_size=world)
 
     sub = jobkit.import_or_exit(args.submission, "ex06", ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP"),
-                                lambda: guard.watching("import"), watchdog, args.case_limit)
+                                lambda: guard.watching("import"), watchdog, args.case_limit, log)
     # A barrier after each case: a rank that failed before a collective must not meet its peers' next one.
-    jobkit.run_cases(cases, (sub, guard), watchdog, args.case_limit, args.submission, between=dist.barrier)
+    jobkit.run_cases(cases, (sub, guard), watchdog, args.case_limit, args.submission, log,
+                     between=guard.dist.barrier)
     runtime.teardown()
 
 

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
 from ex07_job_guard import CollectiveGuard, held_tensor_bytes
 from gpucourse import runtime
@@ -43,6 +44,7 @@ BF16_TOLERANCE = 1e-2  # bf16 keeps ~3 significant digits: SGD steps from weight
 RECHECKS, RECHECK_S = 5, 0.02  # a full-size tensor must stay alive this long (0.1 s) to count as kept
 WHY = "write the sharding yourself"
 FORBID = {"torch.distributed.fsdp:fully_shard": WHY, "torch.distributed.fsdp:FullyShardedDataParallel": WHY,
+          "torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel": WHY,
           "torch.distributed._composable.fsdp:fully_shard": WHY}
 
 
@@ -209,14 +211,15 @@ def main() -> None:
     parser.add_argument("--case-limit", type=float, default=20.0)
     args = parser.parse_args()
     runtime.setup(seed=0)
-    guard = CollectiveGuard()
+    log = jobkit.record_writer()  # before the submission is imported: see record_writer
+    guard = CollectiveGuard(comm_recorder.install(), FORBID)
     watchdog = jobkit.Watchdog("a deadlock (a collective some ranks call and others do not, e.g. a gather in "
-                               "backward on one rank only), an endless loop, or far too slow")
-    guard.install(FORBID)
+                               "backward on one rank only), an endless loop, or far too slow", log)
     cases = plan()
-    runtime.log(case="plan", cases={case: group for case, group, _ in cases})
-    module = jobkit.import_or_exit(args.submission, "ex07_fsdp", ["FSDP"], guard.watching, watchdog, args.case_limit)
-    jobkit.run_cases(cases, (module.FSDP, guard), watchdog, args.case_limit, args.submission,
+    log(case="plan", cases={case: group for case, group, _ in cases})
+    module = jobkit.import_or_exit(args.submission, "ex07_fsdp", ["FSDP"], guard.watching, watchdog, args.case_limit,
+                                   log)
+    jobkit.run_cases(cases, (module.FSDP, guard), watchdog, args.case_limit, args.submission, log,
                      fields=lambda: {"forbidden_used": guard.forbidden_used})
     runtime.teardown()
 

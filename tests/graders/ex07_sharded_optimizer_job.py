@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
 from ex07_job_guard import CollectiveGuard, held_tensor_bytes
 from gpucourse import runtime
@@ -119,15 +120,15 @@ def main() -> None:
     parser.add_argument("--case-limit", type=float, default=20.0)
     args = parser.parse_args()
     runtime.setup(seed=0)
-    guard = CollectiveGuard()
+    log = jobkit.record_writer()  # before the submission is imported: see record_writer
+    guard = CollectiveGuard(comm_recorder.install(), FORBID)
     watchdog = jobkit.Watchdog("a deadlock (a broadcast from a rank that the others do not expect, or "
-                               "collectives called on some ranks only), an endless loop, or far too slow")
-    guard.install(FORBID)
+                               "collectives called on some ranks only), an endless loop, or far too slow", log)
     cases = plan()
-    runtime.log(case="plan", cases={case: group for case, group, _ in cases})
+    log(case="plan", cases={case: group for case, group, _ in cases})
     module = jobkit.import_or_exit(args.submission, "ex07_sharded_optimizer", ["ShardedOptimizer"], guard.watching,
-                                   watchdog, args.case_limit)
-    jobkit.run_cases(cases, (module.ShardedOptimizer, guard), watchdog, args.case_limit, args.submission,
+                                   watchdog, args.case_limit, log)
+    jobkit.run_cases(cases, (module.ShardedOptimizer, guard), watchdog, args.case_limit, args.submission, log,
                      fields=lambda: {"forbidden_used": guard.forbidden_used})
     runtime.teardown()
 

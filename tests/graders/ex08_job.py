@@ -2,8 +2,8 @@
 
     ex08_job.py SUBMISSION.py [--case-limit SECONDS]
 
-test_ex08_fix_the_hang.py launches it through gpucourse.launch. Each rank logs one record per case with
-runtime.log, for example
+test_ex08_fix_the_hang.py launches it through gpucourse.launch. Each rank logs one record per case
+(jobkit.record_writer, in runtime.log's format), for example
 
     {"case": "train-uneven", "group": "train", "error": None, "steps": 4, "evals": [[1, 0.93], [3, 0.88]],
      "max_diff": 3e-08}
@@ -15,14 +15,13 @@ Cases:
   train-uneven train() on uneven shards against one process that runs the same steps on every rank's batch
 
 The references are computed in this process before the submission is loaded. What the submission does is
-followed: every torch.distributed collective it calls, every forward of the model and the start of every
-backward (where DDP all-reduces the gradients). When a case runs past --case-limit (a hang), the rank logs
-"hung: rank r was last doing ..." and ends; ranks that finished the case log their result first, and each
-rank prints what it is doing to its stdout, so a rank that crashes (gloo aborts on a size mismatch) can be
-read from its log.
+followed: every collective and point-to-point call it makes (comm_recorder: any layer), every forward of
+the model and the start of every backward (where DDP all-reduces the gradients). When a case runs past
+--case-limit (a hang), the rank logs "hung: rank r was last doing ..." and ends; ranks that finished the case
+log their result first, and each rank prints what it is doing to its stdout, so a rank that crashes (gloo
+aborts on a size mismatch) can be read from its log.
 """
 import argparse
-import functools
 import os
 import sys
 import traceback
@@ -33,6 +32,7 @@ from torch import nn
 from torch.nn.functional import mse_loss
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
 from gpucourse import runtime
 
@@ -40,10 +40,6 @@ TRAIN_COUNTS = (7, 4, 5)  # batches per rank (rank r % 3): uneven shards
 EVAL_COUNTS, EVAL_SIZES = (2, 3, 0), (4, 3, 5)  # rank 2 holds no evaluation data
 STEP_COUNTS = {"steps-uneven": (5, 7, 3), "steps-zero": (4, 0, 2), "steps-equal": (6, 6, 6)}
 EVAL_EVERY, BATCH, LR = 2, 4, 0.1
-COLLECTIVES = ("all_reduce", "broadcast", "barrier", "monitored_barrier", "all_gather", "all_gather_into_tensor",
-               "all_gather_object", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-               "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv")
-REAL_BARRIER = dist.barrier
 SUBMISSION = [""]
 
 
@@ -114,18 +110,13 @@ class Tracker:
         frames = [f for f in traceback.extract_stack() if f.filename == SUBMISSION[0]]
         return f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
 
-    def install(self) -> None:
-        for name in COLLECTIVES:
-            if hasattr(dist, name):
-                setattr(dist, name, self._wrap(getattr(dist, name), name))
+    def follow(self, comm) -> None:
+        """Note each collective and point-to-point call the submission starts (comm_recorder: any layer)."""
+        def noted(event: dict) -> None:
+            if event["kind"] != "wait":
+                self.doing(f"{event['via']}{self.where()}")
 
-    def _wrap(self, fn, name):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            self.doing(f"dist.{name}{self.where()}")
-            return fn(*args, **kwargs)
-
-        return wrapper
+        comm.on_event = noted
 
     def watch(self, model: nn.Module) -> None:
         """Forward pre-hook and a hook on the output's gradient: the start of each backward."""
@@ -151,9 +142,9 @@ class Tracker:
 class HangWatchdog(jobkit.Watchdog):
     """jobkit's watchdog, whose reason is what this rank was last doing when the time ran out."""
 
-    def __init__(self, tracker: Tracker):
+    def __init__(self, tracker: Tracker, log):
         self.tracker = tracker
-        super().__init__("")
+        super().__init__("", log)
 
     @property
     def reason(self) -> str:
@@ -223,25 +214,27 @@ def main() -> None:
     ref = reference(ctx.world_size)
     cases = {**{c: "steps" for c in STEP_COUNTS}, "evaluate-uneven": "evaluate", "evaluate-eval-mode": "evaluate",
              "train-uneven": "train"}
-    runtime.log(case="plan", cases=cases, world_size=ctx.world_size)
+    log = jobkit.record_writer()  # before the submission is imported: see record_writer
+    log(case="plan", cases=cases, world_size=ctx.world_size)
+    comm, barrier = comm_recorder.install(), dist.barrier  # the grader's barrier, taken before the import
     tracker = Tracker(ctx.rank)
-    watchdog, capped = HangWatchdog(tracker), jobkit.CappedOutput()
+    tracker.follow(comm)
+    watchdog, capped = HangWatchdog(tracker, log), jobkit.CappedOutput()
     module = jobkit.import_or_exit(args.submission, "ex08", ("common_steps", "evaluate", "train"), capped.capturing,
-                                   watchdog, args.case_limit)
-    tracker.install()
+                                   watchdog, args.case_limit, log)
     for case, group in cases.items():
         with watchdog.case_limit(case, group, args.case_limit):
             tracker.doing(f"case {case}: in the submission's {'common_steps' if group == 'steps' else group}()")
-            with capped.capturing():
+            with capped.capturing(), comm.recording():
                 record = run_case(module, case, group, ctx, tracker, ref)
-            runtime.log(**record)
+            log(**record)
             tracker.doing(f"case {case}: returned from the submission; waiting for the other ranks")
             try:
-                REAL_BARRIER()  # a rank that finished a case waits here for one that has not
+                barrier()  # a rank that finished a case waits here for one that has not
             except RuntimeError:  # a peer ended (its own watchdog, a crash): its record says why
                 sys.__stdout__.flush()
                 os._exit(3)
-    runtime.log(case="done")
+    log(case="done")
     runtime.teardown()
 
 

@@ -2,25 +2,32 @@
 
 A submission must never be able to take the grading run down with it: its output is capped, each case
 runs under a watchdog that logs why and ends the rank when the case runs too long, and its exceptions
-are reported in one line pointing at the submission's own code.
+are reported in one line pointing at the submission's own code. Nor should it be able to change the verdict
+by rebinding names: the job's records go through a writer made before the submission is imported
+(`record_writer`), what it communicates is recorded by comm_recorder, and the classes it must not use are
+replaced by refusals that are checked to bind (`ban`).
 
-A job's main: log the plan, `import_or_exit` (the "import" record, or the module), `run_cases` (one record
-per case, then "done"). A job's Guard subclasses `Guard`: which torch.distributed calls it notes.
+A job's main: runtime.setup(), `log = record_writer()`, its Guard (on comm_recorder.install()), log the plan,
+`import_or_exit` (the "import" record, or the module), `run_cases` (one record per case, then "done").
 """
 import contextlib
-import functools
+import importlib
 import importlib.util
 import io
+import json
 import os
 import re
 import sys
 import threading
 import time
 import traceback
+import types
 
 import torch
+import torch.distributed as dist
 
 from gpucourse import runtime
+from gpucourse.contract import metrics_file
 
 OUTPUT_BUDGET = 10_000  # characters of the submission's own output kept per rank
 GLOO_WHERE = re.compile(r"\[[^\]]*third_party/gloo[^\]]*\] ")  # gloo's source path in its error messages
@@ -34,7 +41,77 @@ def load_submission(path: str, name: str):
     return module
 
 
-def import_or_exit(path: str, name: str, wanted, watching, watchdog: "Watchdog", limit: float, *,
+def record_writer():
+    """log(**record): one JSON line in this rank's metrics file, exactly as runtime.log writes it.
+
+    Made after runtime.setup() and before the submission is imported, from a file descriptor of its own and
+    functions captured now: a submission that replaces gpucourse.runtime.log, runtime._write_record, json.dumps
+    or os.write at import changes nothing the grader writes. Keep it in a local variable (no module attribute).
+    """
+    ctx = runtime.context()
+    path = metrics_file(ctx.run_dir, ctx.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    write, dumps, now, rank, lock, tensor = os.write, json.dumps, time.time, ctx.rank, threading.Lock(), torch.Tensor
+
+    def plain(value):  # as runtime.log: a tensor becomes a number or a list
+        if isinstance(value, tensor):
+            return value.item() if value.numel() == 1 else value.tolist()
+        return value
+
+    def log(**record) -> None:
+        line = dumps({"rank": rank, "time": now(), **{k: plain(v) for k, v in record.items()}}) + "\n"
+        data = line.encode()
+        with lock:  # the watchdog's thread writes too; O_APPEND keeps whole lines beside runtime's own
+            while data:
+                data = data[write(fd, data):]
+
+    return log
+
+
+class BanError(RuntimeError):
+    """A ban that cannot bind: the job stops at start-up rather than forbid nothing."""
+
+
+def ban_targets(targets: dict) -> list[tuple]:
+    """[(module, name, why)] for each "module.path:Name" of `targets` ({where: why}), or BanError: every target must
+    exist in this torch, or the ban would forbid nothing (a torch upgrade that moves a class) without a word."""
+    bound = []
+    for where, why in targets.items():
+        module_name, _, name = where.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise BanError(f"the grader's ban of {where} cannot bind: {err} (torch {torch.__version__}); "
+                           f"update the grader's ban list") from None
+        if not hasattr(module, name):
+            raise BanError(f"the grader's ban of {where} cannot bind: {module_name} has no {name} in torch "
+                           f"{torch.__version__}; update the grader's ban list")
+        bound.append((module, name, why))
+    return bound
+
+
+def ban(targets: dict, used: list) -> None:
+    """Replace each "module.path:Name" of `targets` ({where: why}) with a class that refuses to run: calling or
+    instantiating it appends Name to `used` and raises RuntimeError(why). A class, so that a submission that
+    subclasses it still imports (and is refused when it runs). Checked first (ban_targets): a target that
+    does not exist stops the job at start-up, before the submission is loaded.
+    """
+    for module, name, why in ban_targets(targets):
+        setattr(module, name, _refusal(name, why, used))
+
+
+def _refusal(name: str, why: str, used: list) -> type:
+    class Refused:
+        def __new__(cls, *args, **kwargs):
+            used.append(name)
+            raise RuntimeError(f"{name} is not allowed here: {why}")
+
+    Refused.__name__ = Refused.__qualname__ = name
+    return Refused
+
+
+def import_or_exit(path: str, name: str, wanted, watching, watchdog: "Watchdog", limit: float, log, *,
                    fields=dict):
     """The submission as a module, loaded under the watchdog's "import" case with `watching()` on (the guard:
     what it does at import is recorded and what it prints capped). It must define the `wanted` callables.
@@ -50,13 +127,13 @@ def import_or_exit(path: str, name: str, wanted, watching, watchdog: "Watchdog",
             if missing:
                 raise AttributeError(f"{os.path.basename(path)} defines no {' or '.join(missing)}")
         except BaseException as err:  # noqa: BLE001 - a broken submission is graded, not a grader crash
-            runtime.log(case="import", group="import", error=one_line(err, os.path.abspath(path)), **fields())
+            log(case="import", group="import", error=one_line(err, os.path.abspath(path)), **fields())
             runtime.teardown()
             sys.exit(1)
     return module
 
 
-def run_cases(cases, args: tuple, watchdog: "Watchdog", limit: float, submission: str, *, fields=dict,
+def run_cases(cases, args: tuple, watchdog: "Watchdog", limit: float, submission: str, log, *, fields=dict,
               between=None) -> None:
     """Run each (case, group, run) as run(*args) under the watchdog's limit; log one record per case, then "done".
 
@@ -71,10 +148,10 @@ def run_cases(cases, args: tuple, watchdog: "Watchdog", limit: float, submission
                 record = {"error": None, **run(*args)}
             except BaseException as err:  # noqa: BLE001
                 record = {"error": one_line(err, os.path.abspath(submission))}
-            runtime.log(case=case, group=group, **{**fields(), **record})
+            log(case=case, group=group, **{**fields(), **record})
             if between is not None:
                 between()
-    runtime.log(case="done")
+    log(case="done")
 
 
 def one_line(err: BaseException, submission: str) -> str:
@@ -108,59 +185,35 @@ class CappedOutput(io.TextIOBase):
             yield
 
 
-def nbytes(obj) -> int:
-    """Bytes of a tensor, or of the tensors in a (nested) list or tuple; 0 for anything else."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(nbytes(o) for o in obj)
-    return 0
-
-
 class Guard:
-    """Runs the submission while `watching()`: what it prints is capped, and the calls it makes to the functions
-    wrapped with `wrap` are noted. Only its own, outermost calls: dist.all_reduce, not also the process group
-    call inside it. A job's guard says what to note (the `note` it wraps with) and what a new watch forgets."""
+    """Runs the submission while `watching()`: what it prints is capped, and what it communicates is recorded by
+    `self.comm` (comm_recorder's, installed before the submission is imported). A job's guard reads its events;
+    `reset()` forgets the job's own notes at the start of a new watch (the recorder starts afresh by itself)."""
 
-    def __init__(self):
-        self.active, self.depth = False, 0
+    def __init__(self, comm):
+        self.comm = comm
         self.output = CappedOutput()
-
-    def wrap(self, fn, note):
-        """fn, calling note(*args, **kwargs) first when the watched submission calls it (the outermost call)."""
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if self.active and self.depth == 0:
-                note(*args, **kwargs)
-            self.depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.depth -= 1
-
-        return wrapper
+        # The grader's own collectives (references, barriers), taken now, before the submission could rebind
+        # dist's: they run outside watching(), so comm's wrappers pass them through unrecorded.
+        self.dist = types.SimpleNamespace(all_reduce=dist.all_reduce, barrier=dist.barrier, broadcast=dist.broadcast)
 
     def reset(self) -> None:
         """Forget what the last watch noted, at the start of a new one (nothing to forget here)."""
 
     @contextlib.contextmanager
     def watching(self):
-        """Run the submission: note its calls (after reset()), cap what it prints."""
+        """Run the submission: record what it communicates (after reset()), cap what it prints."""
         self.reset()
-        self.active = True
-        try:
-            with self.output.capturing():
-                yield self
-        finally:
-            self.active = False
+        with self.comm.recording(), self.output.capturing():
+            yield self
 
 
 class Watchdog:
     """Ends the rank, after logging why, when the current case runs past its limit."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, log):
         self.reason = reason  # what usually causes it, in this exercise's terms
+        self.log = log  # record_writer's
         self.case, self.group, self.deadline, self.limit = None, None, None, None
         threading.Thread(target=self._watch, name="grader-watchdog", daemon=True).start()
 
@@ -176,7 +229,7 @@ class Watchdog:
         while True:
             time.sleep(0.2)
             if self.deadline is not None and time.monotonic() > self.deadline:
-                runtime.log(case=self.case, group=self.group, timed_out=True,
+                self.log(case=self.case, group=self.group, timed_out=True,
                             error=f"did not finish within {self.limit:g} s: {self.reason}")
                 sys.__stdout__.flush()
                 os._exit(3)

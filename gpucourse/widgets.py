@@ -8,8 +8,8 @@
 `simulate` gives the numbers the widgets draw: DDP weak scaling (each GPU keeps its batch, so its compute per
 step stays the same) with the one model of a DDP step, `costs.ddp_step_time`: one step = compute + the
 all-reduce time that the backward pass does not hide (ring all-reduce in buckets, α–β per message). It is a
-model: no stragglers, no data loading, one flat ring (NCCL switches to trees and hierarchical rings at scale, so at thousands of GPUs
-the ring's 2(N−1)·α latency term overstates real latency).
+model: no stragglers, no data loading, one flat ring (NCCL switches to trees and hierarchical rings at scale,
+so at thousands of GPUs the ring's 2(N−1)·α latency term overstates real latency).
 
 Both widgets draw into an Output by setting its outputs (`append_display_data`), not with `with out:`, so they
 work the same in JupyterLab, under papermill and in plain Python (tests), from any thread.

@@ -30,6 +30,7 @@ TRAINING_SCRIPTS = {
     "02_sampler": lambda w: [],
     "03_ddp_train": lambda w: ["--steps", "5", "--warmup", "2", "--profile-steps", "2", "--hidden", "128",
                                "--layers", "2"],
+    "03_plain_profiler": lambda w: ["--steps", "2"],
     "04_large_batch": lambda w: ["--epochs", "1", "--n-train", "2048", "--n-test", "512", "--evals-per-epoch",
                                  "2", "--rules", "linear"],
     "05_pipeline": lambda w: ["--micro", "2", "4", "--steps", "1", "--work-ms", "2"],

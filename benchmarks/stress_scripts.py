@@ -25,10 +25,12 @@ TRAINING_SCRIPTS = {
     "02_equivalence": lambda w: ["--steps", "4"],
     "02_ddp_compare": lambda w: [str(ROOT / "solutions" / "ex02_ddp.py"), "--steps", "5"],
     "02_no_sync": lambda w: ["--steps", "3"],
+    "02_plain_ddp": lambda w: ["--epochs", "2"],
     "02_precision": lambda w: ["--steps", "3"],
     "02_sampler": lambda w: [],
     "03_ddp_train": lambda w: ["--steps", "5", "--warmup", "2", "--profile-steps", "2", "--hidden", "128",
                                "--layers", "2"],
+    "03_plain_profiler": lambda w: ["--steps", "2"],
     "04_large_batch": lambda w: ["--epochs", "1", "--n-train", "2048", "--n-test", "512", "--evals-per-epoch",
                                  "2", "--rules", "linear"],
     "05_pipeline": lambda w: ["--micro", "2", "4", "--steps", "1", "--work-ms", "2"],
@@ -78,7 +80,8 @@ def main() -> int:
             print(f"{name:16s} {nproc} ranks: {bad} of {args.repeats} failed (median {rows[-1][3]:.1f} s a run)",
                   flush=True)
     print(f"\n{sum(r[2] for r in rows)} of {total} runs failed, {time.monotonic() - start:.0f} s in all "
-          f"(gloo/CPU, {os.cpu_count()} cores, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})")
+          f"(gloo/CPU, {os.cpu_count()} cores, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
+          f"load average at the end {os.getloadavg()[0]:.1f})")
     for (name, text), n in failures.most_common():
         print(f"  {n} x {name}: {text}")
     return 1 if failures else 0

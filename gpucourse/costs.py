@@ -238,12 +238,16 @@ def pipeline_bubble_fraction(p, m):
 
 # --- 7. DDP step time ----------------------------------------------------------
 
+BACKWARD_FRACTION = 2 / 3  # backward's share of forward + backward: about 2x the forward's FLOPs
+
+
 @dataclass(frozen=True)
 class DDPStep:
-    compute: float  # forward + backward, seconds
-    comm: float     # total all-reduce time over all buckets
-    exposed: float  # communication not hidden behind compute
-    step: float     # compute + exposed
+    compute: float   # forward + backward (+ optimizer), seconds
+    backward: float  # the part of compute that gradient all-reduces can hide behind, seconds
+    comm: float      # total all-reduce time over all buckets
+    exposed: float   # communication not hidden behind backward
+    step: float      # compute + exposed
     num_buckets: int
 
     @property
@@ -252,25 +256,36 @@ class DDPStep:
         return self.compute / self.step if self.step else 1.0
 
 
-def ddp_step_time(compute_s, grad_bytes, n, alpha, beta, *, bucket_bytes=25 * 2**20, overlap=True):
+def ddp_step_time(compute_s, grad_bytes, n, alpha, beta, *, bucket_bytes=25 * 2**20, overlap=True,
+                  backward_fraction=BACKWARD_FRACTION):
     """A simple model of one DDP step: compute + exposed communication.
 
-    Gradients are all-reduced in buckets (ring) as backward produces them.
-    With overlap, the buckets hide behind backward except the last one, which
-    is only ready when backward ends -- and nothing can hide more than the
-    compute there is: exposed = max(last bucket, comm - compute). Without
-    overlap, all of comm is exposed.
+    Gradients are all-reduced in buckets (ring) as backward produces them, so
+    with overlap they can hide behind the backward pass only: the forward pass
+    runs before any gradient exists. backward_fraction is backward's share of
+    compute_s (about 2/3: backward costs about twice the forward's FLOPs;
+    measure it when you can). The last bucket is only ready when backward
+    ends, and nothing can hide more than the backward there is:
+    exposed = max(last bucket, comm - backward). Without overlap, all of comm
+    is exposed.
+
+    The buckets are `full` buckets of bucket_bytes plus a smaller remainder,
+    timed in closed form: a trillion parameters in 1 MiB buckets costs the
+    same to model as a million.
     """
     _check_nonneg(compute_s, "compute_s")
     _check_nonneg(grad_bytes, "grad_bytes")
     _require(bucket_bytes > 0, f"bucket_bytes must be > 0, got {bucket_bytes}")
+    _require(0 <= backward_fraction <= 1, "backward_fraction must be between 0 and 1 (backward's share of "
+                                          f"forward + backward, about 2/3), got {backward_fraction}")
     full, rest = divmod(grad_bytes, bucket_bytes)
-    buckets = [bucket_bytes] * int(full) + ([rest] if rest else [])
-    times = [collective_time("all_reduce", b, n, alpha, beta) for b in buckets]
-    comm = sum(times)
-    last = times[-1] if times else 0.0
-    exposed = max(last, comm - compute_s) if overlap else comm
-    return DDPStep(compute_s, comm, exposed, compute_s + exposed, len(buckets))
+    t_full = collective_time("all_reduce", bucket_bytes, n, alpha, beta)
+    t_rest = collective_time("all_reduce", rest, n, alpha, beta) if rest else 0.0
+    comm = full * t_full + t_rest
+    last = t_rest if rest else (t_full if full else 0.0)
+    backward = backward_fraction * compute_s
+    exposed = max(last, comm - backward) if overlap else comm
+    return DDPStep(compute_s, backward, comm, exposed, compute_s + exposed, int(full) + (1 if rest else 0))
 
 
 def scaling_efficiency(single_step_s, step_s):

@@ -181,11 +181,12 @@ class _Job:
     def track(self) -> None:
         for agent in self.agents:
             for proc in descendants(agent.pid):
-                if proc.pid not in self.seen:
-                    self.seen[proc.pid] = proc
-                    rank = rank_of(proc)
-                    if rank is not None:
-                        self.ranks[proc.pid] = rank
+                self.seen.setdefault(proc.pid, proc)
+        # Asked again until it answers: a worker caught between fork and exec still carries torchrun's
+        # environment, without RANK (a timeout once named only one of two hung ranks because of it).
+        for pid, proc in self.seen.items():
+            if pid not in self.ranks and (rank := rank_of(proc)) is not None:
+                self.ranks[pid] = rank
 
     def finished(self) -> bool:
         return all(a.poll() is not None for a in self.agents)

@@ -5,11 +5,11 @@
     scaling_simulator(measured={"compute_s": 0.04, "alpha": 2e-4, "beta": 1e-9, "grad_bytes": 6.3e6})
     simulate(25.6e6, 0.08, [1, 8, 64, 512], alpha=7e-6, beta=1 / 25e9)   # the numbers behind the curves
 
-`simulate` is the model, a pure function the widgets only draw: DDP weak scaling (each GPU keeps its batch, so
-its compute per step stays the same), one step = compute + the all-reduce time that compute does not hide
-(`costs.ddp_step_time`: ring all-reduce in buckets, α–β per message). It is a model: no stragglers, no
-data loading, one flat ring (NCCL switches to trees and hierarchical rings at scale, so at thousands of GPUs
-the ring's 2(N−1)·α latency term overstates real latency).
+`simulate` gives the numbers the widgets draw: DDP weak scaling (each GPU keeps its batch, so its compute per
+step stays the same) with the one model of a DDP step, `costs.ddp_step_time`: one step = compute + the
+all-reduce time that the backward pass does not hide (ring all-reduce in buckets, α–β per message). It is a
+model: no stragglers, no data loading, one flat ring (NCCL switches to trees and hierarchical rings at scale,
+so at thousands of GPUs the ring's 2(N−1)·α latency term overstates real latency).
 
 Both widgets draw into an Output by setting its outputs (`append_display_data`), not with `with out:`, so they
 work the same in JupyterLab, under papermill and in plain Python (tests), from any thread.
@@ -35,16 +35,16 @@ WORLD_SIZES = [2**k for k in range(15)]  # 1 … 16384: the simulator's world-si
 
 # --- the model --------------------------------------------------------------------------------------
 def simulate(params_count, compute_s, world_sizes, alpha, beta, bucket_bytes=25 * 2**20, overlap=True, *,
-             bytes_per_param=4, batch_per_gpu=1) -> list[dict]:
+             bytes_per_param=4, batch_per_gpu=1, backward_fraction=costs.BACKWARD_FRACTION) -> list[dict]:
     """Modelled DDP step at each world size N (weak scaling: the per-GPU batch and compute stay fixed).
 
-    Per N: comm_s = all-reduce time of all gradient buckets (ring, α–β), exposed_s = the part compute does not
-    hide (with overlap: the last bucket, or all comm beyond compute; without: all of it), step_s = compute_s +
-    exposed_s, throughput = N·batch_per_gpu / step_s (samples/s), efficiency = throughput / (N × throughput at
-    N=1) = compute_s / step_s, and comm_bound = exposed_s > compute_s: more than half of every step is spent
-    waiting for the network (efficiency below 50 %), so adding GPUs buys less than half a GPU each.
-    Same formulas as costs.ddp_step_time, in closed form so that a trillion parameters in small buckets
-    costs no more than a million.
+    The model is costs.ddp_step_time, one call per N; this only turns parameters into gradient bytes and adds
+    what the plots need. Per N: comm_s = all-reduce time of all gradient buckets (ring, α–β), exposed_s = the
+    part backward does not hide (with overlap: the last bucket, or all comm beyond backward_fraction ×
+    compute_s; without: all of it), step_s = compute_s + exposed_s, throughput = N·batch_per_gpu / step_s
+    (samples/s), efficiency = throughput / (N × throughput at N=1) = compute_s / step_s, and comm_bound =
+    exposed_s > compute_s: more than half of every step is spent waiting for the network (efficiency below
+    50 %), so adding GPUs buys less than half a GPU each.
     """
     _check_positive(params_count, "params_count", "the number of parameters, e.g. 25.6e6")
     _check_positive(compute_s, "compute_s", "seconds of forward + backward per step on one GPU")
@@ -57,18 +57,14 @@ def simulate(params_count, compute_s, world_sizes, alpha, beta, bucket_bytes=25 
     if not sizes or not all(isinstance(n, numbers.Integral) and n >= 1 for n in sizes):
         raise ValueError(f"world_sizes must be whole numbers >= 1, e.g. [1, 2, 4, 8], got {world_sizes!r}")
     grad_bytes = round(params_count * bytes_per_param)
-    full, rest = divmod(grad_bytes, bucket_bytes)
     rows = []
     for n in sizes:
-        t_full = costs.collective_time("all_reduce", bucket_bytes, n, alpha, beta)
-        t_rest = costs.collective_time("all_reduce", rest, n, alpha, beta) if rest else 0.0
-        comm = full * t_full + t_rest
-        last = t_rest if rest else (t_full if full else 0.0)
-        exposed = max(last, comm - compute_s) if overlap else comm
-        step = compute_s + exposed
-        rows.append({"world_size": n, "compute_s": compute_s, "comm_s": comm, "exposed_s": exposed, "step_s": step,
-                     "throughput": n * batch_per_gpu / step, "efficiency": compute_s / step,
-                     "comm_bound": exposed > compute_s, "buckets": int(full) + (1 if rest else 0)})
+        m = costs.ddp_step_time(compute_s, grad_bytes, n, alpha, beta, bucket_bytes=bucket_bytes, overlap=overlap,
+                                backward_fraction=backward_fraction)
+        rows.append({"world_size": n, "compute_s": compute_s, "backward_s": m.backward, "comm_s": m.comm,
+                     "exposed_s": m.exposed, "step_s": m.step, "throughput": n * batch_per_gpu / m.step,
+                     "efficiency": compute_s / m.step, "comm_bound": m.exposed > compute_s,
+                     "buckets": m.num_buckets})
     return rows
 
 
@@ -230,7 +226,8 @@ class ScalingSimulator:
     """Sliders for the model of `simulate`; shows throughput and efficiency against world size.
 
     measured: what this machine measured, to start from: compute_s, grad_bytes, alpha, beta (the α–β fit),
-    and optionally batch (per rank), bucket_mb, efficiency ({N: measured efficiency}, drawn as dots with the
+    and optionally backward_fraction (backward's share of compute_s; default costs.BACKWARD_FRACTION, 2/3),
+    batch (per rank), bucket_mb, efficiency ({N: measured efficiency}, drawn as dots with the
     fitted α–β) and label (where it was measured, for the title).
     """
 
@@ -258,12 +255,15 @@ class ScalingSimulator:
                                           readout_format=".3g", style=style, layout=wide)
         self.overlap = w.Checkbox(value=True, description="overlap all-reduce with backward", style=style,
                                   layout=wide)
+        self.backward = w.FloatSlider(value=m.get("backward_fraction", costs.BACKWARD_FRACTION), min=0, max=1,
+                                      step=0.05, description="backward share of compute", readout_format=".2f",
+                                      style=style, layout=wide)  # what overlap can hide behind
         self.batch = w.BoundedIntText(value=int(m.get("batch", 32)), min=1, max=1 << 20,
                                       description="batch per GPU", style=style)
         self.summary = w.HTML()
         self.out = w.Output()
         self.controls = [self.params, self.grad_dtype, self.compute_ms, self.world, self.interconnect,
-                         self.bucket_mb, self.overlap, self.batch]
+                         self.bucket_mb, self.overlap, self.backward, self.batch]
         self.widget = w.VBox([*self.controls, self.summary, self.out])
         self.rows: list[dict] = []
         self.figure = None
@@ -289,7 +289,8 @@ class ScalingSimulator:
             sizes = [1] + sizes  # efficiency is relative to one GPU: always model it
         kwargs = dict(params_count=self.params.value, compute_s=self.compute_ms.value / 1e3, world_sizes=sizes,
                       alpha=alpha, beta=beta, bucket_bytes=self.bucket_mb.value * 2**20,
-                      bytes_per_param=self.grad_dtype.value, batch_per_gpu=self.batch.value)
+                      bytes_per_param=self.grad_dtype.value, batch_per_gpu=self.batch.value,
+                      backward_fraction=self.backward.value)
         self.rows = simulate(**kwargs, overlap=self.overlap.value)
         other = simulate(**kwargs, overlap=not self.overlap.value)
         on = "overlap on" if self.overlap.value else "overlap off"
@@ -298,7 +299,8 @@ class ScalingSimulator:
         self.figure = simulation_plot(
             {f"{on} (chosen)": self.rows, off: other}, measured=dots,
             title=(f"Modelled DDP weak scaling: {self.params.value:.3g} parameters, "
-                   f"{self.compute_ms.value:.3g} ms compute/step, {self.bucket_mb.value:.3g} MiB buckets\n{link}"))
+                   f"{self.compute_ms.value:.3g} ms compute/step ({self.backward.value:.0%} backward), "
+                   f"{self.bucket_mb.value:.3g} MiB buckets\n{link}"))
         self.summary.value = self.describe()
         _show(self.out, [self.figure])
 

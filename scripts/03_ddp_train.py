@@ -8,11 +8,13 @@ Three ways to run a step, all on the same DDP-wrapped model:
 
 Each rank trains on its own random batch of --batch samples (weak scaling: the global batch grows with the
 world size). After --warmup untimed steps per mode (DDP settles its buckets in the second), --steps steps per
-mode are timed and logged (mode, step_ms, samples_per_s of this rank). Then, unless --profile-steps 0, each mode
-profiles a few more steps with runtime.profile: traces/rank<r>.json, or traces/<mode>-rank<r>.json with
+mode are timed and logged (mode, step_ms, forward_ms, backward_ms, samples_per_s of this rank; no-ddp's
+backward is compute alone, the others' include the all-reduces it waits for). Then, unless --profile-steps 0,
+each mode profiles a few more steps with runtime.profile: traces/rank<r>.json, or traces/<mode>-rank<r>.json with
 --compare. The first record holds the model's size and DDP's buckets.
 """
 import argparse
+import contextlib
 import time
 
 import torch
@@ -78,21 +80,28 @@ def allreduce_after_backward():
             offset += p.numel()
 
 
-def train_step(mode):
-    opt.zero_grad(set_to_none=True)
-    if mode == "ddp":
-        nn.functional.mse_loss(model(x), y).backward()  # buckets all-reduce as soon as they fill up
-    else:
-        with model.no_sync():  # DDP's hooks stay silent: backward computes local gradients only
-            nn.functional.mse_loss(model(x), y).backward()
-        if mode == "no-overlap":
-            allreduce_after_backward()  # every byte is sent after backward has returned
-    opt.step()
-
-
 def sync():
     if ctx.device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def train_step(mode):
+    """One step; returns the seconds of its forward and of its backward pass, timed apart because the
+    gradient all-reduces can hide behind backward only (forward runs before any gradient exists)."""
+    opt.zero_grad(set_to_none=True)
+    # ddp: buckets all-reduce as soon as they fill up; otherwise DDP's hooks stay silent (local gradients only)
+    with contextlib.nullcontext() if mode == "ddp" else model.no_sync():
+        start = time.perf_counter()
+        loss = nn.functional.mse_loss(model(x), y)
+        sync()
+        forward_end = time.perf_counter()
+        loss.backward()
+        sync()
+        backward_end = time.perf_counter()
+    if mode == "no-overlap":
+        allreduce_after_backward()  # every byte is sent after backward has returned
+    opt.step()
+    return forward_end - start, backward_end - forward_end
 
 
 def ddp_buckets():
@@ -114,10 +123,11 @@ for step in range(args.steps):
         mode = MODES[(step + i) % len(MODES)]  # rotate the order: no mode always runs first
         sync()
         start = time.perf_counter()
-        train_step(mode)
+        forward_s, backward_s = train_step(mode)
         sync()
         seconds = time.perf_counter() - start
-        runtime.log(step=step, total=args.steps, mode=mode, step_ms=seconds * 1e3, samples_per_s=args.batch / seconds)
+        runtime.log(step=step, total=args.steps, mode=mode, step_ms=seconds * 1e3, forward_ms=forward_s * 1e3,
+                    backward_ms=backward_s * 1e3, samples_per_s=args.batch / seconds)
 
 if args.profile_steps:
     for mode in MODES:

@@ -229,11 +229,56 @@ def test_ddp_step_without_overlap_and_with_partial_bucket():
     assert r.step == pytest.approx(0.5 + 2 * 0.0393816 + 0.01578864)
 
 
-def test_ddp_step_comm_bound_cannot_hide_more_than_compute():
-    # comm 0.1575264 s vs compute 0.01 s: exposed = 0.1575264 - 0.01
+def test_ddp_step_comm_bound_cannot_hide_more_than_backward():
+    # comm 0.1575264 s vs compute 0.01 s, of which backward 2/3 * 0.01: exposed = 0.1575264 - 0.01 * 2/3
     r = ddp_step_time(0.01, 100 * MiB, 4, 10e-6, 1e-9)
-    assert r.exposed == pytest.approx(0.1475264)
-    assert r.step == pytest.approx(0.1575264)
+    assert r.backward == pytest.approx(0.01 * 2 / 3)
+    assert r.exposed == pytest.approx(0.1575264 - 0.01 * 2 / 3)
+    assert r.step == pytest.approx(0.01 + 0.1575264 - 0.01 * 2 / 3)
+
+
+def test_ddp_step_overlap_hides_behind_backward_not_forward():
+    # comm 0.1575264 s (4 buckets of 0.0393816) lies between backward (2/3 * 0.15 = 0.1) and forward +
+    # backward (0.15). The forward pass runs before any gradient exists, so only backward hides comm:
+    # exposed = max(0.0393816, 0.1575264 - 0.1) = 0.0575264 (hiding behind all 0.15 s would leave only
+    # the last bucket, 0.0393816, exposed).
+    r = ddp_step_time(0.15, 100 * MiB, 4, 10e-6, 1e-9)
+    assert r.backward == pytest.approx(0.1)
+    assert r.exposed == pytest.approx(0.0575264)
+    assert r.step == pytest.approx(0.15 + 0.0575264)
+    # the backward share is a parameter: a measured 0.5 leaves 0.1575264 - 0.075 = 0.0825264 exposed
+    r = ddp_step_time(0.15, 100 * MiB, 4, 10e-6, 1e-9, backward_fraction=0.5)
+    assert r.backward == pytest.approx(0.075)
+    assert r.exposed == pytest.approx(0.0825264)
+
+
+def test_ddp_step_many_small_buckets_hide_behind_backward_only():
+    # 100 buckets of 1e6 B at n = 2, alpha 0, 1 GB/s: each 2*(2-1)/2 * 1e6 * 1e-9 = 0.001 s, comm 0.1 s.
+    # compute 0.12 s, backward 2/3 of it = 0.08 s: exposed = max(0.001, 0.1 - 0.08) = 0.02 s.
+    r = ddp_step_time(0.12, 10**8, 2, 0.0, 1e-9, bucket_bytes=10**6)
+    assert r.num_buckets == 100 and r.comm == pytest.approx(0.1)
+    assert r.exposed == pytest.approx(0.02)
+    assert r.step == pytest.approx(0.14)
+    # backward_fraction = 1 hides all but the last bucket; 0 hides nothing
+    assert ddp_step_time(0.12, 10**8, 2, 0.0, 1e-9, bucket_bytes=10**6, backward_fraction=1).exposed == \
+        pytest.approx(0.001)
+    assert ddp_step_time(0.12, 10**8, 2, 0.0, 1e-9, bucket_bytes=10**6, backward_fraction=0).exposed == \
+        pytest.approx(0.1)
+
+
+def test_ddp_step_buckets_in_closed_form_for_a_trillion_parameters():
+    # 4e12 bytes in 1 MiB buckets: 3814697 full buckets + a remainder of 4e12 - 3814697 * 1048576 = 278528 B,
+    # timed without a list of millions (alpha only, n = 2: 2 messages of 1e-6 s per bucket)
+    r = ddp_step_time(1.0, 4 * 10**12, 2, 1e-6, 0.0, bucket_bytes=MiB)
+    assert r.num_buckets == 3814697 + 1
+    assert r.comm == pytest.approx(3814698 * 2e-6)
+    assert r.exposed == pytest.approx(3814698 * 2e-6 - 2 / 3)
+
+
+def test_ddp_step_with_no_gradients_or_one_rank_communicates_nothing():
+    assert ddp_step_time(0.1, 0, 4, 1e-5, 1e-9).exposed == 0.0
+    r = ddp_step_time(0.1, 100 * MiB, 1, 1e-5, 1e-9)
+    assert r.comm == 0.0 and r.step == 0.1 and r.num_buckets == 4
 
 
 # --- invalid inputs ------------------------------------------------------------------
@@ -255,6 +300,8 @@ def test_ddp_step_comm_bound_cannot_hide_more_than_compute():
     (lambda: pipeline_bubble_fraction(4, 0), r"\bm\b"),
     (lambda: ddp_step_time(0.1, 1e6, 4, 1e-5, 1e-9, bucket_bytes=0), "bucket_bytes"),
     (lambda: ddp_step_time(-0.1, 1e6, 4, 1e-5, 1e-9), "compute_s"),
+    (lambda: ddp_step_time(0.1, 1e6, 4, 1e-5, 1e-9, backward_fraction=1.5), "backward_fraction"),
+    (lambda: ddp_step_time(0.1, 1e6, 4, 1e-5, 1e-9, backward_fraction=-0.1), "backward_fraction"),
     (lambda: fit_alpha_beta([1, 2], [1e-3, 2e-3], n=1), r"\bn\b"),
     (lambda: scaling_efficiency(0, 1), "single_step_s"),
 ])

@@ -76,6 +76,30 @@ def test_timeout_names_running_ranks_and_their_last_line(runs_dir):
     assert_nothing_left(res)
 
 
+def test_a_worker_seen_before_its_exec_is_still_known_by_its_rank(tmp_path):
+    """torchrun's worker, caught between fork and exec, has no RANK yet: the launcher must ask again later."""
+    from gpucourse.launcher import _Job
+
+    go = tmp_path / "go"
+    shell = f"while [ ! -e {go} ]; do sleep 0.05; done; exec env RANK=5 sleep 60"
+    agent = subprocess.Popen([sys.executable, "-c", f"import subprocess; subprocess.run(['sh', '-c', {shell!r}])"])
+    job = _Job([agent])
+    try:
+        deadline = time.monotonic() + 60
+        while not job.seen and time.monotonic() < deadline:
+            job.track()
+            time.sleep(0.05)
+        assert job.seen and job.running_ranks() == []  # the worker is there, its RANK not yet
+        go.touch()
+        while job.running_ranks() != [5] and time.monotonic() < deadline:
+            job.track()
+            time.sleep(0.05)
+        assert job.running_ranks() == [5]
+    finally:
+        job.stop()
+    assert agent.poll() is not None and job.running_ranks() == []
+
+
 def test_stall_detection_stops_a_silent_job(runs_dir):
     res = launch(WORKER, nproc=2, args=["--steps", "1", "--hang"], stall_timeout=3, live=False, check=False)
     assert res.status == "stalled" and "no rank printed or logged for 3 s" in res.error.summary

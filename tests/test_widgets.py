@@ -1,4 +1,4 @@
-"""Chapter 03's tools: the scaling model's numbers (checked by hand and against costs.ddp_step_time), the
+"""Chapter 03's tools: the scaling model's numbers (checked by hand; simulate is costs.ddp_step_time per N), the
 simulator and run explorer widgets built headless and redrawn when a control changes."""
 import json
 import math
@@ -53,10 +53,15 @@ def test_turning_point_of_a_hand_computed_case():
     assert turning_point(rows) == 4
     # One bucket cannot overlap (it is ready only when backward ends): overlap changes nothing...
     assert turning_point(simulate(25e6, 0.14, sizes, 0.0, 1e-9, 10**9, overlap=True)) == 4
-    # ...but in 100 buckets of 1 MB all but the last hide: exposed = comm - compute = 0.175 - 0.14 at N = 8.
+    # ...but in 100 buckets of 1 MB all but the last can hide behind backward, 2/3 of the compute:
+    # exposed = comm - backward = 0.175 - 2/3 · 0.14 at N = 8 (not 0.175 - 0.14: forward hides nothing).
     split = simulate(25e6, 0.14, sizes, 0.0, 1e-9, bucket_bytes=10**6, overlap=True)
-    assert split[-1]["buckets"] == 100 and split[-1]["exposed_s"] == pytest.approx(0.035)
+    assert split[-1]["buckets"] == 100 and split[-1]["exposed_s"] == pytest.approx(0.175 - 2 / 3 * 0.14)
+    assert split[-1]["backward_s"] == pytest.approx(2 / 3 * 0.14)
     assert turning_point(split) is None
+    # a measured backward share replaces the 2/3: half the compute leaves 0.175 - 0.07 exposed
+    half = simulate(25e6, 0.14, [8], 0.0, 1e-9, bucket_bytes=10**6, backward_fraction=0.5)[0]
+    assert half["exposed_s"] == pytest.approx(0.105)
 
 
 def test_latency_term_counts_every_message_of_every_bucket():
@@ -65,12 +70,26 @@ def test_latency_term_counts_every_message_of_every_bucket():
     assert row["buckets"] == 4 and row["comm_s"] == pytest.approx(4 * 4 * 1e-3)
 
 
-def test_simulate_agrees_with_costs_ddp_step_time():
-    for params, bucket, overlap in [(1e6, 2**20, True), (3.3e6, 2**20, False), (5e7, 25 * 2**20, True)]:
+def test_simulate_is_costs_ddp_step_time_at_each_world_size():
+    for params, bucket, overlap, share in [(1e6, 2**20, True, 2 / 3), (3.3e6, 2**20, False, 2 / 3),
+                                           (5e7, 25 * 2**20, True, 0.6)]:
         for n in (1, 2, 16, 512):
-            row = simulate(params, 0.02, [n], 2e-5, 1 / (5 * GB), bucket, overlap)[0]
-            ref = costs.ddp_step_time(0.02, params * 4, n, 2e-5, 1 / (5 * GB), bucket_bytes=bucket, overlap=overlap)
+            row = simulate(params, 0.02, [n], 2e-5, 1 / (5 * GB), bucket, overlap, backward_fraction=share)[0]
+            ref = costs.ddp_step_time(0.02, params * 4, n, 2e-5, 1 / (5 * GB), bucket_bytes=bucket, overlap=overlap,
+                                      backward_fraction=share)
             assert row["step_s"] == pytest.approx(ref.step) and row["buckets"] == ref.num_buckets
+            assert row["exposed_s"] == pytest.approx(ref.exposed)
+
+
+def test_a_trillion_parameters_in_small_buckets_is_timed_in_closed_form(monkeypatch):
+    # 4e12 bytes of gradients in 1 MiB buckets: 3.8 million buckets, but at most two all-reduce sizes (full
+    # buckets and the remainder) are timed per world size, whatever the bucket count.
+    calls = []
+    real = costs.collective_time
+    monkeypatch.setattr(costs, "collective_time", lambda *a, **k: calls.append(a) or real(*a, **k))
+    rows = simulate(1e12, 1.0, [1, 64, 16384], 5e-6, 1 / (50 * GB), bucket_bytes=2**20)
+    assert rows[0]["buckets"] == 4 * 10**12 // 2**20 + 1 and len(calls) <= 2 * len(rows)
+    assert rows[-1]["efficiency"] < rows[1]["efficiency"] < 1
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -79,6 +98,7 @@ def test_simulate_agrees_with_costs_ddp_step_time():
     ({"compute_s": 0}, "compute_s must be a positive number"),
     ({"params_count": -1}, "params_count must be a positive number"),
     ({"alpha": -1e-6}, "alpha and beta must be >= 0"),
+    ({"backward_fraction": 1.2}, "backward_fraction must be between 0 and 1"),
 ])
 def test_bad_input_is_refused_with_a_message_naming_it(kwargs, message):
     args = {"params_count": 1e6, "compute_s": 0.01, "world_sizes": [1, 2], "alpha": 1e-5, "beta": 1e-9, **kwargs}
@@ -99,6 +119,19 @@ def test_simulator_starts_from_the_measurements_and_offers_the_fitted_link():
                         25 * 2**20, True, batch_per_gpu=64)
     assert [r["step_s"] for r in sim.rows] == pytest.approx([r["step_s"] for r in expected])
     assert FITTED not in scaling_simulator().interconnect.options  # nothing measured, nothing fitted
+    assert sim.backward.value == pytest.approx(2 / 3)  # no backward share measured: the usual 2/3
+
+
+def test_simulator_hides_communication_behind_the_measured_backward_share():
+    sim = scaling_simulator({**MEASURED, "backward_fraction": 0.5})
+    assert sim.backward.value == 0.5
+    expected = simulate(6_303_744 / 4, 0.04, [r["world_size"] for r in sim.rows], 3e-4, 1 / (0.5 * GB),
+                        25 * 2**20, True, batch_per_gpu=64, backward_fraction=0.5)
+    assert [r["exposed_s"] for r in sim.rows] == pytest.approx([r["exposed_s"] for r in expected])
+    sim.bucket_mb.value = 0.1  # many small buckets: the exposed part is comm beyond backward
+    before = sim.rows[-1]["exposed_s"]
+    sim.backward.value = 1.0  # a longer backward hides more
+    assert sim.rows[-1]["exposed_s"] < before
 
 
 def test_simulator_redraws_when_a_control_changes():

@@ -113,7 +113,9 @@ class MemoryCalculator:
         import ipywidgets as w
 
         style, wide = {"description_width": "150px"}, w.Layout(width="560px")
-        self.params = w.FloatLogSlider(value=num_params, base=10, min=6, max=12, description="parameters",
+        # step=None: any value, so the browser keeps the given one (the default step of 0.1 in the exponent
+        # showed 7.5e9 as 7.94e9, and every figure computed from it was off by 6 %).
+        self.params = w.FloatLogSlider(value=num_params, base=10, min=6, max=12, step=None, description="parameters",
                                        readout_format=".3g", style=style, layout=wide)
         self.world = w.SelectionSlider(options=WORLD_SIZES, value=world_size, description="world size (GPUs)",
                                        style=style, layout=wide)

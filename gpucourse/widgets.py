@@ -239,11 +239,13 @@ class ScalingSimulator:
         has_fit = "alpha" in m and "beta" in m
         style = {"description_width": "170px"}
         wide = w.Layout(width="560px")
-        self.params = w.FloatLogSlider(value=m.get("grad_bytes", 4 * 25.6e6) / 4, base=10, min=5, max=12,
+        # step=None on the log sliders: any value, so the browser does not snap the starting value to a grid
+        # (with ipywidgets' default step of 0.1 in the exponent, 8.8 ms showed as 7.94 ms).
+        self.params = w.FloatLogSlider(value=m.get("grad_bytes", 4 * 25.6e6) / 4, base=10, min=5, max=12, step=None,
                                        description="parameters", readout_format=".3g", style=style, layout=wide)
         self.grad_dtype = w.Dropdown(options=[("fp32 (4 B)", 4), ("bf16 / fp16 (2 B)", 2)], value=4,
                                      description="gradient element", style=style)
-        self.compute_ms = w.FloatLogSlider(value=1e3 * m.get("compute_s", 0.1), base=10, min=-1, max=4,
+        self.compute_ms = w.FloatLogSlider(value=1e3 * m.get("compute_s", 0.1), base=10, min=-1, max=7, step=None,
                                            description="compute per step (ms)", readout_format=".3g",
                                            style=style, layout=wide)
         self.world = w.SelectionRangeSlider(options=WORLD_SIZES, index=(0, 12), description="world sizes",
@@ -251,12 +253,13 @@ class ScalingSimulator:
         choices = ([FITTED] if has_fit else []) + list(costs.INTERCONNECTS)
         self.interconnect = w.Dropdown(options=choices, value=choices[0] if has_fit else "InfiniBand NDR 400G",
                                        description="interconnect", style=style, layout=wide)
-        self.bucket_mb = w.FloatLogSlider(value=m.get("bucket_mb", 25), base=10, min=-1, max=3, description="bucket size (MiB)",
-                                          readout_format=".3g", style=style, layout=wide)
+        self.bucket_mb = w.FloatLogSlider(value=m.get("bucket_mb", 25), base=10, min=-1, max=3, step=None,
+                                          description="bucket size (MiB)", readout_format=".3g", style=style,
+                                          layout=wide)
         self.overlap = w.Checkbox(value=True, description="overlap all-reduce with backward", style=style,
                                   layout=wide)
         self.backward = w.FloatSlider(value=m.get("backward_fraction", costs.BACKWARD_FRACTION), min=0, max=1,
-                                      step=0.05, description="backward share of compute", readout_format=".2f",
+                                      step=1e-4, description="backward share of compute", readout_format=".2f",
                                       style=style, layout=wide)  # what overlap can hide behind
         self.batch = w.BoundedIntText(value=int(m.get("batch", 32)), min=1, max=1 << 20,
                                       description="batch per GPU", style=style)
@@ -267,9 +270,32 @@ class ScalingSimulator:
         self.widget = w.VBox([*self.controls, self.summary, self.out])
         self.rows: list[dict] = []
         self.figure = None
+        self._rescaling = False
         for control in self.controls:
             control.observe(lambda _: self.update(), names="value")
+        self.params.observe(self._compute_follows_params, names="value")
         self.update()
+
+    def _compute_follows_params(self, change) -> None:
+        """A bigger model computes for longer: compute per step scales with the parameter count (same batch,
+        same shape of model), then the model is redrawn once. Set the compute slider after the parameters to
+        model another batch or another device."""
+        if self._rescaling or not change["old"]:
+            return
+        self._rescaling = True
+        try:
+            self.compute_ms.value *= change["new"] / change["old"]
+        finally:
+            self._rescaling = False
+        self.update()
+
+    def _at_measured_model(self) -> bool:
+        """Whether the controls still describe the model that was measured (its dots belong on the plot)."""
+        m = self.measured
+        same = lambda a, b: math.isclose(a, b, rel_tol=1e-3)  # noqa: E731 - the slider may round its last digits
+        return (self.interconnect.value == FITTED and "efficiency" in m
+                and same(self.params.value * self.grad_dtype.value, m.get("grad_bytes", 4 * 25.6e6))
+                and same(self.compute_ms.value, 1e3 * m.get("compute_s", 0.1)))
 
     def link(self) -> tuple[float, float, str]:
         """(alpha, beta, description) of the chosen interconnect."""
@@ -282,6 +308,8 @@ class ScalingSimulator:
 
     def update(self) -> None:
         """Recompute the model from the controls and redraw."""
+        if self._rescaling:
+            return  # _compute_follows_params redraws once both sliders moved
         alpha, beta, link = self.link()
         lo, hi = self.world.value
         sizes = [n for n in WORLD_SIZES if lo <= n <= hi]
@@ -295,7 +323,7 @@ class ScalingSimulator:
         other = simulate(**kwargs, overlap=not self.overlap.value)
         on = "overlap on" if self.overlap.value else "overlap off"
         off = "overlap off" if self.overlap.value else "overlap on"
-        dots = self.measured.get("efficiency") if self.interconnect.value == FITTED else None
+        dots = self.measured.get("efficiency") if self._at_measured_model() else None
         self.figure = simulation_plot(
             {f"{on} (chosen)": self.rows, off: other}, measured=dots,
             title=(f"Modelled DDP weak scaling: {self.params.value:.3g} parameters, "
@@ -319,10 +347,12 @@ class ScalingSimulator:
 
 
 def _time(seconds: float) -> str:
-    """'50.1 ms', '9.18 s', '2.5 min': readable across the simulator's range."""
+    """'50.1 ms', '9.18 s', '2.5 min', '27 h': readable across the simulator's range."""
     if seconds < 1:
         return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds:.3g} s" if seconds < 120 else f"{seconds / 60:.3g} min"
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:.3g} min" if seconds < 2 * 3600 else f"{seconds / 3600:.3g} h"
 
 
 def scaling_simulator(measured: dict | None = None) -> ScalingSimulator:

@@ -309,3 +309,33 @@ def test_interrupt_button_stops_the_launch(lab, browser):
     [run_dir] = lab.run_dirs()
     assert json.loads((run_dir / "manifest.json").read_text())["status"] == "interrupted"
     assert run_processes(run_dir) == [], "workers survived the interrupt"
+
+
+def test_widgets_show_the_values_they_were_given(lab, browser):
+    """The browser draws a slider from its value; with a step it snapped the value to its grid and sent the
+    snapped one back to the kernel (7.5e9 parameters became 7.94e9, 8.8 ms became 7.94 ms)."""
+    from gpucourse.memory import memory_calculator
+
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell("from gpucourse.memory import memory_calculator\n"
+                                          "memory_calculator(num_params=7.5e9, world_size=64)"),
+                nbformat.v4.new_code_cell("from gpucourse.widgets import scaling_simulator\n"
+                                          "scaling_simulator({'compute_s': 0.0088, 'grad_bytes': 4 * 7.5e9,\n"
+                                          "                   'alpha': 3e-4, 'beta': 2e-9, 'bucket_mb': 3.3})")]
+    nbformat.write(nb, lab.root / "widgets.ipynb")
+    page = open_notebook(browser, lab, "widgets.ipynb")
+    run_all(page)
+    wait_all_ran(page, "widgets.ipynb")
+    boxes = page.locator(".jp-OutputArea-output .widget-vbox")
+    boxes.nth(1).wait_for(timeout=60_000)
+    for i in range(2):
+        scroll_to(boxes.nth(i))
+    time.sleep(3)  # a snapped value would reach the kernel and come back as a new summary by now
+    readouts = [boxes.nth(i).locator(".widget-readout").all_inner_texts() for i in range(2)]
+    # d3's ".3g", as the sliders' readout_format says: the given values, not the nearest tenth of a decade
+    assert readouts[0][0] == "7.50e+9", readouts
+    assert readouts[1][:2] == ["7.50e+9", "8.80"] and "3.30" in readouts[1], readouts
+    expected = memory_calculator(num_params=7.5e9, world_size=64).summary.value
+    shown = boxes.nth(0).locator(".widget-html-content").first.inner_html()
+    assert re.sub(r"\s+", " ", shown) == re.sub(r"\s+", " ", expected), (shown, expected)

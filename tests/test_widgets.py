@@ -138,13 +138,33 @@ def test_simulator_redraws_when_a_control_changes():
     sim = scaling_simulator(MEASURED)
     rows, figure, outputs, summary = sim.rows, sim.figure, sim.out.outputs, sim.summary.value
     assert outputs and "image/png" in outputs[0]["data"]
-    sim.params.value = 1e10  # a far bigger model: more communication, lower efficiency
+    sim.params.value = 1e10  # a far bigger model: it computes for longer, in proportion (same batch)
     assert sim.figure is not figure and sim.out.outputs != outputs and sim.summary.value != summary
+    assert sim.compute_ms.value == pytest.approx(40 * 1e10 / (6_303_744 / 4))
+    sim.compute_ms.value = 40  # ... unless told otherwise: then more communication, lower efficiency
     assert sim.rows[-1]["efficiency"] < rows[-1]["efficiency"]
     sim.interconnect.value = "NVLink 4 (H100 SXM)"
     assert "NVLink 4" in sim.link()[2] and sim.rows[-1]["efficiency"] > 0
     sim.world.value = (8, 64)
     assert [r["world_size"] for r in sim.rows] == [1, 8, 16, 32, 64]  # N = 1 is kept: the baseline
+
+
+def test_simulator_shows_the_values_it_was_given():
+    """No snapping: ipywidgets' default log-slider step (0.1 in the exponent) turned 8.8 ms into 7.94 ms."""
+    sim = scaling_simulator({**MEASURED, "compute_s": 0.0088, "grad_bytes": 4 * 7.5e9, "bucket_mb": 3.3})
+    assert [c.step for c in (sim.params, sim.compute_ms, sim.bucket_mb)] == [None] * 3  # the browser keeps any value
+    assert (sim.params.value, sim.compute_ms.value, sim.bucket_mb.value) == (7.5e9, pytest.approx(8.8), 3.3)
+    assert "8.8 ms compute/step" in sim.figure.get_suptitle()
+
+
+def test_simulator_draws_measured_dots_only_for_the_measured_model():
+    sim = scaling_simulator(MEASURED)
+    assert sim._at_measured_model()
+    sim.params.value *= 10  # another model: the small model's measured efficiency no longer belongs beside it
+    assert not sim._at_measured_model()
+    sim.params.value /= 10
+    assert sim._at_measured_model()
+    assert "(compute 2.5 h" in scaling_simulator({**MEASURED, "compute_s": 9000.0}).describe()  # not 150 min
 
 
 # --- the run explorer -----------------------------------------------------------------------------

@@ -322,7 +322,10 @@ def test_widgets_show_the_values_they_were_given(lab, browser):
                                           "memory_calculator(num_params=7.5e9, world_size=64)"),
                 nbformat.v4.new_code_cell("from gpucourse.widgets import scaling_simulator\n"
                                           "scaling_simulator({'compute_s': 0.0088, 'grad_bytes': 4 * 7.5e9,\n"
-                                          "                   'alpha': 3e-4, 'beta': 2e-9, 'bucket_mb': 3.3})")]
+                                          "                   'alpha': 3e-4, 'beta': 2e-9, 'bucket_mb': 3.3})"),
+                nbformat.v4.new_code_cell("from gpucourse.quiz import QuickCheck\n"
+                                          "QuickCheck('Which option?', ['this one', 'that one'], 1, 'ANSWER-TEXT')",
+                                          metadata={"jupyter": {"source_hidden": True}})]  # as the chapters store it
     nbformat.write(nb, lab.root / "widgets.ipynb")
     page = open_notebook(browser, lab, "widgets.ipynb")
     run_all(page)
@@ -339,3 +342,6 @@ def test_widgets_show_the_values_they_were_given(lab, browser):
     expected = memory_calculator(num_params=7.5e9, world_size=64).summary.value
     shown = boxes.nth(0).locator(".widget-html-content").first.inner_html()
     assert re.sub(r"\s+", " ", shown) == re.sub(r"\s+", " ", expected), (shown, expected)
+    quiz = page.locator(".jp-Cell").nth(2)
+    scroll_to(quiz)
+    assert "Which option?" in quiz.inner_text() and "ANSWER-TEXT" not in quiz.inner_text()  # not before answering

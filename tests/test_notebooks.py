@@ -45,6 +45,15 @@ def test_notebook_is_stored_stripped(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_quick_checks_keep_their_answers_out_of_sight(path):
+    """A quiz cell's source holds the answer and its explanation: JupyterLab shows it collapsed."""
+    for i, cell in enumerate(_cells(path)):
+        if cell.cell_type == "code" and "QuickCheck(" in cell.source:
+            assert cell.metadata.get("jupyter", {}).get("source_hidden") is True, \
+                f"{path.name} cell {i} shows a quiz's answer above the quiz: set metadata.jupyter.source_hidden"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_has_parameters_cell_and_smoke_values(path):
     nb = nbformat.read(path, as_version=4)
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]

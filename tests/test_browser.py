@@ -11,6 +11,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -131,8 +132,15 @@ def lab(tmp_path):
     shutil.copytree(ROOT / "notebooks", work / "notebooks")
     (work / "scripts").mkdir()
     _quiet_settings(tmp_path / "lab-settings")
+    # The chapters open on the "gpucourse" kernel (`make lab` registers it): register it here, in a throwaway
+    # prefix, for this Python.
+    kernels = tmp_path / "kernels"
+    subprocess.run([sys.executable, "-m", "ipykernel", "install", "--prefix", str(kernels), "--name", "gpucourse",
+                    "--display-name", "Python (gpucourse)"], check=True, capture_output=True, timeout=120)
     port, token = _free_port(), os.urandom(16).hex()
     env = {**os.environ, "GPUCOURSE_RUNS_DIR": str(tmp_path / "runs"),
+           "JUPYTER_PATH": os.pathsep.join(filter(None, [str(kernels / "share" / "jupyter"),
+                                                         os.environ.get("JUPYTER_PATH")])),
            "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "lab-settings"),
            "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "lab-workspaces"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter-runtime")}
@@ -238,6 +246,8 @@ def test_chapter_00_shows_a_live_view_per_launch(lab, browser):
     nbformat.write(nb, nb_path)
 
     page = open_notebook(browser, lab, CHAPTER_00)
+    kernel = page.evaluate(f"path => {{ {PANEL} return panel.sessionContext.session.kernel.name; }}", CHAPTER_00)
+    assert kernel == "gpucourse", f"{CHAPTER_00} opened on the {kernel!r} kernel, not the course's"
     started = time.monotonic()
     run_all(page)
     wait_all_ran(page, CHAPTER_00)

@@ -45,6 +45,14 @@ def test_notebook_is_stored_stripped(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_opens_on_the_course_kernel(path):
+    """`make lab` registers the "gpucourse" kernel (the course's .venv); a notebook naming "python3" would open
+    on whatever Python JupyterLab finds first, maybe one without torch. Batch runs pick their kernel themselves."""
+    spec = nbformat.read(path, as_version=4).metadata.get("kernelspec", {})
+    assert spec.get("name") == "gpucourse" and spec.get("display_name") == "Python (gpucourse)", spec
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_quick_checks_keep_their_answers_out_of_sight(path):
     """A quiz cell's source holds the answer and its explanation: JupyterLab shows it collapsed."""
     for i, cell in enumerate(_cells(path)):
@@ -99,7 +107,7 @@ def test_checked_cells_match_with_nbval(path, tmp_path):
     copy = with_expected_outputs(path, path.with_name(f".nbval-{path.name}"))
     env = {**__import__("os").environ, "GPUCOURSE_RUNS_DIR": str(tmp_path / "runs"), "GPUCOURSE_LIVE": "text"}
     try:
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax", "--nbval-kernel-name", "python3",
                               "--nbval-sanitize-with", str(ROOT / "tests" / "nbval_sanitize.cfg"),
                               "--nbval-cell-timeout", "300", str(copy)],
                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)

@@ -9,12 +9,24 @@ from __future__ import annotations
 import collections
 import html
 import os
+import re
 import sys
 import time
 
 from .tail import Line
 
 LIVE_ENV = "GPUCOURSE_LIVE"  # "widget", "text" or "off": overrides the automatic choice
+
+# Lines the live views leave out; the rank's log file on disk keeps them. Kineto (torch.profiler's
+# backend) announces every trace it starts and stops, e.g.
+#   USDT:2026-11-24 21:13:13 4633:4633 SyncActivityProfilerHandler.cpp:52] profiler_start
+# In a profiling chapter that bookkeeping is all some panes would hold, and it says nothing to a learner.
+NOISE = re.compile(r"^USDT:.*\] profiler_(?:start|stop)\s*$")
+
+
+def shown(lines: list[Line]) -> list[Line]:
+    """The lines a live view shows: the ranks' own (torchrun's chatter goes to the run directory), no noise."""
+    return [ln for ln in lines if ln.rank is not None and not NOISE.match(ln.text)]
 
 
 class Progress:
@@ -56,11 +68,8 @@ class TextView:
         print(header, flush=True)
 
     def update(self, lines: list[Line], records: list[dict], status: str) -> None:
-        for ln in lines:
-            if ln.rank is None:
-                continue  # torchrun's own chatter goes to the run directory, not the screen
-            stream = sys.stderr if ln.stream == "stderr" else sys.stdout
-            print(f"[rank {ln.rank}] {ln.text}", file=stream)
+        for ln in shown(lines):
+            print(f"[rank {ln.rank}] {ln.text}", file=sys.stderr if ln.stream == "stderr" else sys.stdout)
         self.progress.update(records)
         total, done = self.progress.total, self.progress.done
         if total and done is not None:
@@ -110,8 +119,8 @@ class WidgetView:
         return f"<b style='color:{colour}'>{html.escape(state)}</b> — {html.escape(header)}"
 
     def update(self, lines: list[Line], records: list[dict], status: str) -> None:
-        for ln in lines:
-            if ln.rank is None or ln.rank >= self.world_size:
+        for ln in shown(lines):
+            if ln.rank >= self.world_size:
                 continue
             self.buffers[0].append(f"[rank {ln.rank}] {ln.text}")
             self.buffers[ln.rank + 1].append(ln.text)

@@ -248,6 +248,23 @@ def test_widget_view_fills_one_pane_per_rank(runs_dir, monkeypatch):
     assert live.WidgetView.MAX_LINES >= 100
 
 
+def _widget_launch(monkeypatch, *args, **kwargs):
+    """launch() in the widget view, as JupyterLab would show it: returns the result and the view's panes."""
+    pytest.importorskip("ipywidgets")
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
+    res = launch(WORKER, *args, live="widget", check=False, **kwargs)
+    tabs = next(child for child in shown[0].children if hasattr(child, "selected_index"))
+    return res, [pane.outputs[0]["text"] if pane.outputs else "" for pane in tabs.children]
+
+
+def test_widget_view_leaves_profiler_noise_to_the_log_files(runs_dir, monkeypatch):
+    res, panes = _widget_launch(monkeypatch, nproc=2, args=["--steps", "4", "--profile"])
+    assert res.ok and "rank 1 step 3 sum 7" in panes[2]
+    on_disk = res.log(1, "stdout") + res.log(1, "stderr")  # Kineto's stream has changed across versions
+    assert "profiler_start" in on_disk and "USDT" not in "".join(panes)
+
+
 def test_papermill_cell_timeout_leaves_nothing(tmp_path, runs_dir):
     """papermill interrupts, then shuts the kernel down (SIGINT → SIGTERM → SIGKILL within seconds)."""
     nbformat = pytest.importorskip("nbformat")

@@ -1,0 +1,49 @@
+"""The live views (gpucourse/live.py), fed by hand with the batches the launcher's monitor loop would send:
+what a learner sees in a pane or a terminal, with no torchrun job behind it."""
+from types import SimpleNamespace
+
+import pytest
+
+from gpucourse import live
+from gpucourse.tail import Line
+
+# Kineto's lines as a profiled rank writes them (tests/jobs/worker.py --profile, torch 2.13 CPU)
+USDT = ["USDT:2026-11-24 21:13:13 4633:4633 SyncActivityProfilerHandler.cpp:52] profiler_start",
+        "USDT:2026-11-24 21:13:13 4633:4633 SyncActivityProfilerHandler.cpp:59] profiler_stop"]
+
+
+def result(ok=True, error=None):
+    return SimpleNamespace(ok=ok, status="ok" if ok else "failed", duration=1.0, name="job", world_size=2,
+                           manifest={"backend": "gloo"}, error=error, summary=lambda: "job: summary")
+
+
+@pytest.fixture
+def widget_view(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    monkeypatch.setattr("IPython.display.display", lambda obj: None)
+    return live.WidgetView("job", 2)
+
+
+def pane_texts(view) -> list[str]:
+    return [pane.outputs[0]["text"] if pane.outputs else "" for pane in view.panes]
+
+
+def test_noise_is_only_kineto_announcing_a_trace():
+    assert all(live.NOISE.match(text) for text in USDT)
+    for text in ["USDT: the course's own line", "profiler_start", "rank 0 step 3 USDT:] profiler_stop later"]:
+        assert not live.NOISE.match(text), text
+
+
+def test_widget_panes_leave_profiler_noise_out(widget_view):
+    widget_view.update([Line(0, "stderr", USDT[0]), Line(0, "stdout", "step 1"), Line(1, "stdout", USDT[1])],
+                       [], "running")
+    widget_view.finish(result())
+    everyone, rank0, rank1 = pane_texts(widget_view)
+    assert everyone == "[rank 0] step 1\n" and rank0 == "step 1\n" and rank1 == ""
+
+
+def test_text_view_leaves_profiler_noise_out(capsys):
+    view = live.TextView("job", 2)
+    view.update([Line(0, "stderr", USDT[0]), Line(1, "stdout", "step 1"), Line(1, "stderr", USDT[1])], [], "running")
+    out, err = capsys.readouterr()
+    assert "USDT" not in out + err and "[rank 1] step 1" in out

@@ -29,6 +29,12 @@ def shown(lines: list[Line]) -> list[Line]:
     return [ln for ln in lines if ln.rank is not None and not NOISE.match(ln.text)]
 
 
+def with_rank(ln: Line) -> str:
+    """A line as the all-ranks view shows it, prefixed by its rank; torch's own messages (an uncaught
+    exception's traceback, c10d warnings) already start with `[rank1]:`, and one prefix is enough."""
+    return ln.text if ln.text.startswith(f"[rank{ln.rank}]:") else f"[rank {ln.rank}] {ln.text}"
+
+
 class Progress:
     """Steps reported by the ranks; the bar follows the slowest rank, which is what the job waits for."""
 
@@ -69,7 +75,7 @@ class TextView:
 
     def update(self, lines: list[Line], records: list[dict], status: str) -> None:
         for ln in shown(lines):
-            print(f"[rank {ln.rank}] {ln.text}", file=sys.stderr if ln.stream == "stderr" else sys.stdout)
+            print(with_rank(ln), file=sys.stderr if ln.stream == "stderr" else sys.stdout)
         self.progress.update(records)
         total, done = self.progress.total, self.progress.done
         if total and done is not None:
@@ -122,7 +128,7 @@ class WidgetView:
         for ln in shown(lines):
             if ln.rank >= self.world_size:
                 continue
-            self.buffers[0].append(f"[rank {ln.rank}] {ln.text}")
+            self.buffers[0].append(with_rank(ln))
             self.buffers[ln.rank + 1].append(ln.text)
             self.dirty.update((0, ln.rank + 1))
         self.progress.update(records)

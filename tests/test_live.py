@@ -47,3 +47,20 @@ def test_text_view_leaves_profiler_noise_out(capsys):
     view.update([Line(0, "stderr", USDT[0]), Line(1, "stdout", "step 1"), Line(1, "stderr", USDT[1])], [], "running")
     out, err = capsys.readouterr()
     assert "USDT" not in out + err and "[rank 1] step 1" in out
+
+
+def test_torch_rank_prefix_is_not_doubled(widget_view, capsys):
+    lines = [Line(1, "stderr", "[rank1]: Traceback (most recent call last):"),
+             Line(1, "stderr", "[rank0]: a message about rank 0, printed by rank 1"),
+             Line(1, "stderr", "[rank1] no colon: not torch's prefix")]
+    expected = ["[rank1]: Traceback (most recent call last):",
+                "[rank 1] [rank0]: a message about rank 0, printed by rank 1",
+                "[rank 1] [rank1] no colon: not torch's prefix"]
+    widget_view.update(lines, [], "running")
+    widget_view.finish(result())
+    everyone, _, rank1 = pane_texts(widget_view)
+    assert everyone.splitlines() == expected
+    assert rank1.splitlines() == [ln.text for ln in lines]  # a rank's own pane shows its lines as written
+
+    live.TextView("job", 2).update(lines, [], "running")
+    assert capsys.readouterr().err.splitlines() == expected

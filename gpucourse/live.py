@@ -117,7 +117,8 @@ class WidgetView:
         self.header = header
         self.started = time.monotonic()
         self._last_flush = 0.0
-        self.box = w.VBox([self.status, w.HBox([self.bar, self.bar_label]), self.tabs])
+        self.bar_row = w.HBox([self.bar, self.bar_label])
+        self.box = w.VBox([self.status, self.bar_row, self.tabs])
         display(self.box)
 
     @staticmethod
@@ -158,14 +159,20 @@ class WidgetView:
         state = "interrupted" if interrupted else {"ok": "finished"}.get(result.status, result.status)
         dur = f"{result.duration:.1f} s" if result.duration is not None else "?"
         text = f"{result.name} — {dur}, {result.world_size} rank(s), backend {result.manifest.get('backend', '?')}"
+        printed = bool(self.buffers[0])
+        if not printed and self.progress.text():
+            text += f", {self.progress.text()}"  # the bar is left out below: its count moves up here
         self.status.value = self._status_html(text, state, colour)
-        if result.error:
-            # The root cause first, where the eye goes: the failing rank's traceback.
-            self.box.children = (self.status, self.w.HTML(
-                f"<pre style='color:{colour};white-space:pre-wrap'>{html.escape(str(result.error))}</pre>"),
-                *self.box.children[1:])
-            if result.error.rank is not None:
-                self.tabs.selected_index = result.error.rank + 1
+        error = []
+        if result.error:  # the root cause first, where the eye goes: the failing rank's traceback
+            error = [self.w.HTML(f"<pre style='color:{colour};white-space:pre-wrap'>"
+                                 f"{html.escape(str(result.error))}</pre>")]
+        # Ranks that printed nothing leave only their status line: a chapter that launches many quiet runs
+        # (03 makes eight) would otherwise fill the page with empty tabs.
+        body = [self.bar_row, self.tabs] if printed else []
+        self.box.children = (self.status, *error, *body)
+        if result.error and result.error.rank is not None:
+            self.tabs.selected_index = result.error.rank + 1
 
 
 class SilentView:

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from gpucourse import live
+from gpucourse.result import RootCause
 from gpucourse.tail import Line
 
 # Kineto's lines as a profiled rank writes them (tests/jobs/worker.py --profile, torch 2.13 CPU)
@@ -64,3 +65,25 @@ def test_torch_rank_prefix_is_not_doubled(widget_view, capsys):
 
     live.TextView("job", 2).update(lines, [], "running")
     assert capsys.readouterr().err.splitlines() == expected
+
+
+def test_a_run_that_printed_nothing_collapses_to_its_status(widget_view):
+    widget_view.update([Line(0, "stderr", USDT[0]), Line(None, "stderr", "torchrun chatter")],
+                       [{"rank": r, "step": 4, "total": 5} for r in (0, 1)], "running")
+    widget_view.finish(result())
+    assert widget_view.box.children == (widget_view.status,)
+    assert "finished" in widget_view.status.value and "5/5 steps" in widget_view.status.value
+
+
+def test_a_failed_run_that_printed_nothing_keeps_its_root_cause(widget_view):
+    widget_view.finish(result(ok=False, error=RootCause("rank 1 was killed by SIGKILL", rank=1)))
+    status, cause = widget_view.box.children
+    assert status is widget_view.status and "failed" in status.value
+    assert "rank 1 was killed by SIGKILL" in cause.value
+
+
+def test_a_run_that_printed_keeps_its_tabs(widget_view):
+    widget_view.update([Line(1, "stderr", "[rank1]: ValueError: boom")], [], "running")
+    widget_view.finish(result(ok=False, error=RootCause("rank 1 failed", rank=1)))
+    status, cause, bar_row, tabs = widget_view.box.children
+    assert "rank 1 failed" in cause.value and tabs.selected_index == 2

@@ -95,6 +95,11 @@ class WidgetView:
 
     MAX_LINES = 200
     FLUSH_EVERY_S = 0.15
+    # JupyterLab breaks output text at any character (`.jp-OutputArea-output pre {word-break: break-all}`),
+    # which cuts words in two: "GROUP_RA|NK", "1.00 M|iB". In this view lines wrap between words, and only
+    # a token longer than the pane is still cut. `div.` makes the rule win over JupyterLab's.
+    CSS_CLASS = "gpucourse-live"
+    CSS = f"div.{CSS_CLASS} pre {{word-break: normal; overflow-wrap: anywhere}}"
 
     def __init__(self, header: str, world_size: int):
         import ipywidgets as w
@@ -118,7 +123,10 @@ class WidgetView:
         self.started = time.monotonic()
         self._last_flush = 0.0
         self.bar_row = w.HBox([self.bar, self.bar_label])
-        self.box = w.VBox([self.status, self.bar_row, self.tabs])
+        # A <style> travels with the view (no notebook-wide setup); hidden, it takes no room.
+        self.style = w.HTML(f"<style>{self.CSS}</style>", layout=w.Layout(display="none"))
+        self.box = w.VBox([self.status, self.bar_row, self.tabs, self.style])
+        self.box.add_class(self.CSS_CLASS)
         display(self.box)
 
     @staticmethod
@@ -170,7 +178,7 @@ class WidgetView:
         # Ranks that printed nothing leave only their status line: a chapter that launches many quiet runs
         # (03 makes eight) would otherwise fill the page with empty tabs.
         body = [self.bar_row, self.tabs] if printed else []
-        self.box.children = (self.status, *error, *body)
+        self.box.children = (self.status, *error, *body, self.style)
         if result.error and result.error.rank is not None:
             self.tabs.selected_index = result.error.rank + 1
 

@@ -236,7 +236,7 @@ def test_widget_view_fills_one_pane_per_rank(runs_dir, monkeypatch):
     monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
     res = launch(WORKER, nproc=2, args=["--steps", "4"], live="widget")
     view_box = shown[0]
-    status, progress_row, tabs = view_box.children
+    status, progress_row, tabs, _style = view_box.children
     bar = progress_row.children[0]
     assert bar.value == bar.max == 4 and bar.bar_style == "success"
     panes = tabs.children

@@ -71,19 +71,30 @@ def test_a_run_that_printed_nothing_collapses_to_its_status(widget_view):
     widget_view.update([Line(0, "stderr", USDT[0]), Line(None, "stderr", "torchrun chatter")],
                        [{"rank": r, "step": 4, "total": 5} for r in (0, 1)], "running")
     widget_view.finish(result())
-    assert widget_view.box.children == (widget_view.status,)
+    assert widget_view.box.children == (widget_view.status, widget_view.style)
     assert "finished" in widget_view.status.value and "5/5 steps" in widget_view.status.value
 
 
 def test_a_failed_run_that_printed_nothing_keeps_its_root_cause(widget_view):
     widget_view.finish(result(ok=False, error=RootCause("rank 1 was killed by SIGKILL", rank=1)))
-    status, cause = widget_view.box.children
+    status, cause, style = widget_view.box.children
     assert status is widget_view.status and "failed" in status.value
-    assert "rank 1 was killed by SIGKILL" in cause.value
+    assert "rank 1 was killed by SIGKILL" in cause.value and style is widget_view.style
 
 
 def test_a_run_that_printed_keeps_its_tabs(widget_view):
     widget_view.update([Line(1, "stderr", "[rank1]: ValueError: boom")], [], "running")
     widget_view.finish(result(ok=False, error=RootCause("rank 1 failed", rank=1)))
-    status, cause, bar_row, tabs = widget_view.box.children
+    status, cause, bar_row, tabs, style = widget_view.box.children
     assert "rank 1 failed" in cause.value and tabs.selected_index == 2
+
+
+def test_panes_wrap_between_words(widget_view):
+    """JupyterLab's `.jp-OutputArea-output pre {word-break: break-all}` cuts words; the view's own rule,
+    on its own class and one step more specific, puts word-break back to normal (tests/test_browser.py
+    checks the style the browser computes)."""
+    assert live.WidgetView.CSS_CLASS in widget_view.box._dom_classes
+    assert widget_view.style in widget_view.box.children and widget_view.style.layout.display == "none"
+    css = live.WidgetView.CSS
+    assert widget_view.style.value == f"<style>{css}</style>"
+    assert css.startswith(f"div.{live.WidgetView.CSS_CLASS} pre ") and "word-break: normal" in css

@@ -9,12 +9,30 @@ from __future__ import annotations
 import collections
 import html
 import os
+import re
 import sys
 import time
 
 from .tail import Line
 
 LIVE_ENV = "GPUCOURSE_LIVE"  # "widget", "text" or "off": overrides the automatic choice
+
+# Lines the live views leave out; the rank's log file on disk keeps them. Kineto (torch.profiler's
+# backend) announces every trace it starts and stops, e.g.
+#   USDT:2026-11-24 21:13:13 4633:4633 SyncActivityProfilerHandler.cpp:52] profiler_start
+# In a profiling chapter that bookkeeping is all some panes would hold, and it says nothing to a learner.
+NOISE = re.compile(r"^USDT:.*\] profiler_(?:start|stop)\s*$")
+
+
+def shown(lines: list[Line]) -> list[Line]:
+    """The lines a live view shows: the ranks' own (torchrun's chatter goes to the run directory), no noise."""
+    return [ln for ln in lines if ln.rank is not None and not NOISE.match(ln.text)]
+
+
+def with_rank(ln: Line) -> str:
+    """A line as the all-ranks view shows it, prefixed by its rank; torch's own messages (an uncaught
+    exception's traceback, c10d warnings) already start with `[rank1]:`, and one prefix is enough."""
+    return ln.text if ln.text.startswith(f"[rank{ln.rank}]:") else f"[rank {ln.rank}] {ln.text}"
 
 
 class Progress:
@@ -56,11 +74,8 @@ class TextView:
         print(header, flush=True)
 
     def update(self, lines: list[Line], records: list[dict], status: str) -> None:
-        for ln in lines:
-            if ln.rank is None:
-                continue  # torchrun's own chatter goes to the run directory, not the screen
-            stream = sys.stderr if ln.stream == "stderr" else sys.stdout
-            print(f"[rank {ln.rank}] {ln.text}", file=stream)
+        for ln in shown(lines):
+            print(with_rank(ln), file=sys.stderr if ln.stream == "stderr" else sys.stdout)
         self.progress.update(records)
         total, done = self.progress.total, self.progress.done
         if total and done is not None:
@@ -80,6 +95,11 @@ class WidgetView:
 
     MAX_LINES = 200
     FLUSH_EVERY_S = 0.15
+    # JupyterLab breaks output text at any character (`.jp-OutputArea-output pre {word-break: break-all}`),
+    # which cuts words in two: "GROUP_RA|NK", "1.00 M|iB". In this view lines wrap between words, and only
+    # a token longer than the pane is still cut. `div.` makes the rule win over JupyterLab's.
+    CSS_CLASS = "gpucourse-live"
+    CSS = f"div.{CSS_CLASS} pre {{word-break: normal; overflow-wrap: anywhere}}"
 
     def __init__(self, header: str, world_size: int):
         import ipywidgets as w
@@ -102,7 +122,11 @@ class WidgetView:
         self.header = header
         self.started = time.monotonic()
         self._last_flush = 0.0
-        self.box = w.VBox([self.status, w.HBox([self.bar, self.bar_label]), self.tabs])
+        self.bar_row = w.HBox([self.bar, self.bar_label])
+        # A <style> travels with the view (no notebook-wide setup); hidden, it takes no room.
+        self.style = w.HTML(f"<style>{self.CSS}</style>", layout=w.Layout(display="none"))
+        self.box = w.VBox([self.status, self.bar_row, self.tabs, self.style])
+        self.box.add_class(self.CSS_CLASS)
         display(self.box)
 
     @staticmethod
@@ -110,10 +134,10 @@ class WidgetView:
         return f"<b style='color:{colour}'>{html.escape(state)}</b> — {html.escape(header)}"
 
     def update(self, lines: list[Line], records: list[dict], status: str) -> None:
-        for ln in lines:
-            if ln.rank is None or ln.rank >= self.world_size:
+        for ln in shown(lines):
+            if ln.rank >= self.world_size:
                 continue
-            self.buffers[0].append(f"[rank {ln.rank}] {ln.text}")
+            self.buffers[0].append(with_rank(ln))
             self.buffers[ln.rank + 1].append(ln.text)
             self.dirty.update((0, ln.rank + 1))
         self.progress.update(records)
@@ -143,14 +167,20 @@ class WidgetView:
         state = "interrupted" if interrupted else {"ok": "finished"}.get(result.status, result.status)
         dur = f"{result.duration:.1f} s" if result.duration is not None else "?"
         text = f"{result.name} — {dur}, {result.world_size} rank(s), backend {result.manifest.get('backend', '?')}"
+        printed = bool(self.buffers[0])
+        if not printed and self.progress.text():
+            text += f", {self.progress.text()}"  # the bar is left out below: its count moves up here
         self.status.value = self._status_html(text, state, colour)
-        if result.error:
-            # The root cause first, where the eye goes: the failing rank's traceback.
-            self.box.children = (self.status, self.w.HTML(
-                f"<pre style='color:{colour};white-space:pre-wrap'>{html.escape(str(result.error))}</pre>"),
-                *self.box.children[1:])
-            if result.error.rank is not None:
-                self.tabs.selected_index = result.error.rank + 1
+        error = []
+        if result.error:  # the root cause first, where the eye goes: the failing rank's traceback
+            error = [self.w.HTML(f"<pre style='color:{colour};white-space:pre-wrap'>"
+                                 f"{html.escape(str(result.error))}</pre>")]
+        # Ranks that printed nothing leave only their status line: a chapter that launches many quiet runs
+        # (03 makes eight) would otherwise fill the page with empty tabs.
+        body = [self.bar_row, self.tabs] if printed else []
+        self.box.children = (self.status, *error, *body, self.style)
+        if result.error and result.error.rank is not None:
+            self.tabs.selected_index = result.error.rank + 1
 
 
 class SilentView:

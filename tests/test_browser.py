@@ -227,6 +227,11 @@ def status_line(view) -> str:
     return view.locator(".widget-html-content").first.inner_text()
 
 
+def word_break(pane) -> str:
+    """How the browser breaks the pane's lines (the CSS computed for its text)."""
+    return pane.locator("pre").first.evaluate("el => getComputedStyle(el).wordBreak")
+
+
 def bar_style(view) -> str:
     classes = view.locator(".widget-hprogress .progress-bar").get_attribute("class")
     return re.search(r"progress-bar-(\w+)", classes).group(1)
@@ -261,6 +266,7 @@ def test_chapter_00_shows_a_live_view_per_launch(lab, browser):
     assert tab_titles(two) == ["all ranks", "rank 0", "rank 1"]
     everyone = shown_pane(two).inner_text()  # "all ranks" is the tab shown first
     assert "[rank 0] rank 0/2" in everyone and "[rank 1] rank 1/2" in everyone
+    assert word_break(shown_pane(two)) == "normal"  # JupyterLab's own 'break-all' cut words in two
     rank0 = shown_pane(two, "rank 0").inner_text()
     assert "rank 0/2" in rank0 and "rank 1/2" not in rank0
     rank1 = shown_pane(two, "rank 1").inner_text()  # left selected for the screenshot
@@ -278,6 +284,11 @@ def test_chapter_00_shows_a_live_view_per_launch(lab, browser):
     assert status_line(failed).startswith("failed") and bar_style(failed) == "danger"
     assert failed.locator(".lm-TabBar-tab.lm-mod-current").inner_text() == "rank 1"
     assert "RuntimeError" in shown_pane(failed).inner_text()
+    # torch's '[rank1]: ' prefix on the traceback is the only one there: no '[rank 1] [rank1]: '.
+    failed_everyone = shown_pane(failed, "all ranks").inner_text()
+    assert "[rank1]: " in failed_everyone and "[rank 1] [rank1]:" not in failed_everyone
+    # Kineto's 'USDT: ... profiler_start' lines stay in the log files, off the page (the all-ranks panes).
+    assert not [text for text in (everyone, shown_pane(one).inner_text(), failed_everyone) if "USDT" in text]
 
     # Chapter 00 draws no plot; when a chapter does, every image output must render as an <img>.
     images = page.evaluate(f"""path => {{ {PANEL}

@@ -236,7 +236,7 @@ def test_widget_view_fills_one_pane_per_rank(runs_dir, monkeypatch):
     monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
     res = launch(WORKER, nproc=2, args=["--steps", "4"], live="widget")
     view_box = shown[0]
-    status, progress_row, tabs = view_box.children
+    status, progress_row, tabs, _style = view_box.children
     bar = progress_row.children[0]
     assert bar.value == bar.max == 4 and bar.bar_style == "success"
     panes = tabs.children
@@ -246,6 +246,30 @@ def test_widget_view_fills_one_pane_per_rank(runs_dir, monkeypatch):
     assert "[rank 0] rank 0 step 3 sum 7" in panes[0].outputs[0]["text"]
     assert "finished" in status.value and res.ok
     assert live.WidgetView.MAX_LINES >= 100
+
+
+def _widget_launch(monkeypatch, *args, **kwargs):
+    """launch() in the widget view, as JupyterLab would show it: returns the result and the view's panes."""
+    pytest.importorskip("ipywidgets")
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
+    res = launch(WORKER, *args, live="widget", check=False, **kwargs)
+    tabs = next(child for child in shown[0].children if hasattr(child, "selected_index"))
+    return res, [pane.outputs[0]["text"] if pane.outputs else "" for pane in tabs.children]
+
+
+def test_widget_view_leaves_profiler_noise_to_the_log_files(runs_dir, monkeypatch):
+    res, panes = _widget_launch(monkeypatch, nproc=2, args=["--steps", "4", "--profile"])
+    assert res.ok and "rank 1 step 3 sum 7" in panes[2]
+    on_disk = res.log(1, "stdout") + res.log(1, "stderr")  # Kineto's stream has changed across versions
+    assert "profiler_start" in on_disk and "USDT" not in "".join(panes)
+
+
+def test_widget_view_shows_torch_rank_prefix_once(runs_dir, monkeypatch):
+    res, panes = _widget_launch(monkeypatch, nproc=2, args=["--steps", "3", "--fail-rank", "1"])
+    assert res.error.rank == 1
+    assert "\n[rank1]: ValueError: deliberate failure on rank 1\n" in "\n" + panes[0]
+    assert "[rank 1] [rank1]:" not in panes[0] and "[rank1]: ValueError" in panes[2]
 
 
 def test_papermill_cell_timeout_leaves_nothing(tmp_path, runs_dir):

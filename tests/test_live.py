@@ -1,0 +1,100 @@
+"""The live views (gpucourse/live.py), fed by hand with the batches the launcher's monitor loop would send:
+what a learner sees in a pane or a terminal, with no torchrun job behind it."""
+from types import SimpleNamespace
+
+import pytest
+
+from gpucourse import live
+from gpucourse.result import RootCause
+from gpucourse.tail import Line
+
+# Kineto's lines as a profiled rank writes them (tests/jobs/worker.py --profile, torch 2.13 CPU)
+USDT = ["USDT:2026-11-24 21:13:13 4633:4633 SyncActivityProfilerHandler.cpp:52] profiler_start",
+        "USDT:2026-11-24 21:13:13 4633:4633 SyncActivityProfilerHandler.cpp:59] profiler_stop"]
+
+
+def result(ok=True, error=None):
+    return SimpleNamespace(ok=ok, status="ok" if ok else "failed", duration=1.0, name="job", world_size=2,
+                           manifest={"backend": "gloo"}, error=error, summary=lambda: "job: summary")
+
+
+@pytest.fixture
+def widget_view(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    monkeypatch.setattr("IPython.display.display", lambda obj: None)
+    return live.WidgetView("job", 2)
+
+
+def pane_texts(view) -> list[str]:
+    return [pane.outputs[0]["text"] if pane.outputs else "" for pane in view.panes]
+
+
+def test_noise_is_only_kineto_announcing_a_trace():
+    assert all(live.NOISE.match(text) for text in USDT)
+    for text in ["USDT: the course's own line", "profiler_start", "rank 0 step 3 USDT:] profiler_stop later"]:
+        assert not live.NOISE.match(text), text
+
+
+def test_widget_panes_leave_profiler_noise_out(widget_view):
+    widget_view.update([Line(0, "stderr", USDT[0]), Line(0, "stdout", "step 1"), Line(1, "stdout", USDT[1])],
+                       [], "running")
+    widget_view.finish(result())
+    everyone, rank0, rank1 = pane_texts(widget_view)
+    assert everyone == "[rank 0] step 1\n" and rank0 == "step 1\n" and rank1 == ""
+
+
+def test_text_view_leaves_profiler_noise_out(capsys):
+    view = live.TextView("job", 2)
+    view.update([Line(0, "stderr", USDT[0]), Line(1, "stdout", "step 1"), Line(1, "stderr", USDT[1])], [], "running")
+    out, err = capsys.readouterr()
+    assert "USDT" not in out + err and "[rank 1] step 1" in out
+
+
+def test_torch_rank_prefix_is_not_doubled(widget_view, capsys):
+    lines = [Line(1, "stderr", "[rank1]: Traceback (most recent call last):"),
+             Line(1, "stderr", "[rank0]: a message about rank 0, printed by rank 1"),
+             Line(1, "stderr", "[rank1] no colon: not torch's prefix")]
+    expected = ["[rank1]: Traceback (most recent call last):",
+                "[rank 1] [rank0]: a message about rank 0, printed by rank 1",
+                "[rank 1] [rank1] no colon: not torch's prefix"]
+    widget_view.update(lines, [], "running")
+    widget_view.finish(result())
+    everyone, _, rank1 = pane_texts(widget_view)
+    assert everyone.splitlines() == expected
+    assert rank1.splitlines() == [ln.text for ln in lines]  # a rank's own pane shows its lines as written
+
+    live.TextView("job", 2).update(lines, [], "running")
+    assert capsys.readouterr().err.splitlines() == expected
+
+
+def test_a_run_that_printed_nothing_collapses_to_its_status(widget_view):
+    widget_view.update([Line(0, "stderr", USDT[0]), Line(None, "stderr", "torchrun chatter")],
+                       [{"rank": r, "step": 4, "total": 5} for r in (0, 1)], "running")
+    widget_view.finish(result())
+    assert widget_view.box.children == (widget_view.status, widget_view.style)
+    assert "finished" in widget_view.status.value and "5/5 steps" in widget_view.status.value
+
+
+def test_a_failed_run_that_printed_nothing_keeps_its_root_cause(widget_view):
+    widget_view.finish(result(ok=False, error=RootCause("rank 1 was killed by SIGKILL", rank=1)))
+    status, cause, style = widget_view.box.children
+    assert status is widget_view.status and "failed" in status.value
+    assert "rank 1 was killed by SIGKILL" in cause.value and style is widget_view.style
+
+
+def test_a_run_that_printed_keeps_its_tabs(widget_view):
+    widget_view.update([Line(1, "stderr", "[rank1]: ValueError: boom")], [], "running")
+    widget_view.finish(result(ok=False, error=RootCause("rank 1 failed", rank=1)))
+    status, cause, bar_row, tabs, style = widget_view.box.children
+    assert "rank 1 failed" in cause.value and tabs.selected_index == 2
+
+
+def test_panes_wrap_between_words(widget_view):
+    """JupyterLab's `.jp-OutputArea-output pre {word-break: break-all}` cuts words; the view's own rule,
+    on its own class and one step more specific, puts word-break back to normal (tests/test_browser.py
+    checks the style the browser computes)."""
+    assert live.WidgetView.CSS_CLASS in widget_view.box._dom_classes
+    assert widget_view.style in widget_view.box.children and widget_view.style.layout.display == "none"
+    css = live.WidgetView.CSS
+    assert widget_view.style.value == f"<style>{css}</style>"
+    assert css.startswith(f"div.{live.WidgetView.CSS_CLASS} pre ") and "word-break: normal" in css

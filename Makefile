@@ -12,7 +12,9 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gpucourse needs Python 3.11 or newer; set PYTHON=python3.11")'
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	@echo "Installing the course and its packages into $(VENV) (once). The big one is torch: about 200 MB as a"
+	@echo "CPU build, several GB where pip picks the CUDA build (Linux's default). It takes minutes; pip lists each package."
+	$(BIN)/python -m pip install --progress-bar off --disable-pip-version-check -e ".[dev]"
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -23,7 +25,15 @@ kernel: $(STAMP)
 
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-lab: kernel
+# JupyterLab's first-open question "get notified about Jupyter news?" covers the page: answered (no) for this
+# .venv's JupyterLab only, through its application settings overrides, unless that file already exists.
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
+
+$(LAB_OVERRIDES): $(STAMP)
+	@mkdir -p $(dir $@)
+	@test -e $@ || echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' > $@
+
+lab: kernel $(LAB_OVERRIDES)
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)
 
 test: $(STAMP)

@@ -61,6 +61,25 @@ def test_quick_checks_keep_their_answers_out_of_sight(path):
                 f"{path.name} cell {i} shows a quiz's answer above the quiz: set metadata.jupyter.source_hidden"
 
 
+LINES_THAT_MATTER = "**The lines that matter**"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_lines_that_matter_are_the_scripts_own(path):
+    """The box before a long script quotes its key lines: each must still be a line of the script that follows."""
+    cells = _cells(path)
+    for i, cell in enumerate(cells):
+        if cell.cell_type != "markdown" or LINES_THAT_MATTER not in cell.source:
+            continue
+        script = next(c.source for c in cells[i + 1:] if c.cell_type == "code" and c.source.startswith("%%writefile"))
+        quoted = re.search(r"```python\n(.*?)```", cell.source[cell.source.index(LINES_THAT_MATTER):], re.S)
+        assert quoted, f"{path.name} cell {i}: the lines that matter need a ```python block"
+        lines = [ln.strip() for ln in quoted.group(1).splitlines() if ln.strip() and not ln.startswith("#")]
+        own = {ln.strip() for ln in script.splitlines()}
+        assert lines and not [ln for ln in lines if ln not in own], \
+            f"{path.name} cell {i} quotes lines the script no longer has: {[ln for ln in lines if ln not in own]}"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_has_parameters_cell_and_smoke_values(path):
     nb = nbformat.read(path, as_version=4)

@@ -303,7 +303,7 @@ class ScalingSimulator:
             where = self.measured.get("label", "this machine")
             return self.measured["alpha"], self.measured["beta"], f"α–β fitted on {where}"
         ic = costs.INTERCONNECTS[self.interconnect.value]
-        return ic.alpha, ic.beta, f"{ic.name} (nominal: {ic.bandwidth_bytes_per_s / 1e9:g} GB/s, " \
+        return ic.alpha, ic.beta, f"{ic.name} (nominal: {ic.bandwidth_bytes_per_s / 1e9:g} GB/s per direction, " \
                                   f"α = {ic.alpha * 1e6:g} µs)"
 
     def update(self) -> None:

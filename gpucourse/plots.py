@@ -207,7 +207,7 @@ def bandwidth_plot(rows, fit: costs.AlphaBeta | None = None, holdout: dict | Non
         t_ax.plot([holdout["bytes"]], [holdout["time_s"] * 1e6], "s", ms=11, mfc="none", mec="k", mew=1.5,
                   label=f"held out of the fit: predicted {human_seconds(holdout['predicted_s'])}, "
                         f"measured {human_seconds(holdout['time_s'])} ({err:+.0%})")
-    for ax, ylabel in ((t_ax, "time per call (µs)"), (bw_ax, "bus bandwidth (GB/s)")):
+    for ax, ylabel in ((t_ax, "time per call (µs)"), (bw_ax, "bus bandwidth (GB/s per rank)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))

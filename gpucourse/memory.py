@@ -29,6 +29,11 @@ OPTIMIZER_LABELS = {"adam": "Adam / AdamW (m, v)", "sgd_momentum": "SGD with mom
 PRECISION_LABELS = {"mixed": "bf16/fp16 + fp32 master", "fp32": "fp32"}
 WORLD_SIZES = [2**k for k in range(14)]  # 1 ... 8192
 TITLE_CHARS = 90        # a title line longer than this is wrapped: at 9 pt it would not fit the 8.5-inch figure
+DESCRIPTION_PX = 150    # the controls' description column
+# A dropdown shows only what fits its width and cuts the rest ("Adam / AdamW (m,"): size it from its longest
+# option, 8 px a character (JupyterLab's 13 px font averages 6: measured 138 px for "bf16/fp16 + fp32 master")
+# and 40 px for the arrow and padding.
+CHAR_PX, ARROW_PX = 8, 40
 
 
 def model_states(num_params, world_size, stage, *, optimizer="adam", precision="mixed", offload=False) -> dict:
@@ -121,7 +126,7 @@ class MemoryCalculator:
                  offload=False, device_gb=80):
         import ipywidgets as w
 
-        style, wide = {"description_width": "150px"}, w.Layout(width="560px")
+        style, wide = {"description_width": f"{DESCRIPTION_PX}px"}, w.Layout(width="560px")
         # step=None: any value, so the browser keeps the given one (the default step of 0.1 in the exponent
         # showed 7.5e9 as 7.94e9, and every figure computed from it was off by 6 %).
         self.params = w.FloatLogSlider(value=num_params, base=10, min=6, max=12, step=None, description="parameters",
@@ -130,11 +135,16 @@ class MemoryCalculator:
                                        style=style, layout=wide)
         self.stage = w.ToggleButtons(options=[(f"stage {s}", s) for s in range(4)], value=stage,
                                      description="ZeRO stage", style=style)
+        # One width for both dropdowns, so they line up: room for the longest option of either.
+        longest = max(map(len, [*OPTIMIZER_LABELS.values(), *PRECISION_LABELS.values()]))
+        fits = w.Layout(width=f"{DESCRIPTION_PX + CHAR_PX * longest + ARROW_PX}px")
         self.optimizer = w.Dropdown(options=[(v, k) for k, v in OPTIMIZER_LABELS.items()], value=optimizer,
-                                    description="optimizer", style=style)
+                                    description="optimizer", style=style, layout=fits)
         self.precision = w.Dropdown(options=[(v, k) for k, v in PRECISION_LABELS.items()], value=precision,
-                                    description="precision", style=style)
-        self.offload = w.Checkbox(value=offload, description="offload to CPU (ZeRO-Offload)", style=style)
+                                    description="precision", style=style, layout=fits)
+        # wide: at the default 300 px, less the 150 px indent, its label was cut to "offload to CPU (..."
+        self.offload = w.Checkbox(value=offload, description="offload to CPU (ZeRO-Offload)", style=style,
+                                  layout=wide)
         self.device_gb = w.BoundedFloatText(value=device_gb, min=1, max=10_000, description="GB per device",
                                             style=style)
         self.summary = w.HTML()

@@ -152,3 +152,16 @@ def test_plot_keeps_title_and_legend_inside_and_off_the_bars(settings):
     for artist in [*bars, *labels, title]:
         assert not legend_box.overlaps(artist.get_window_extent(renderer)), artist
 
+
+def test_dropdowns_are_wide_enough_for_their_longest_option():
+    """Rule: a dropdown's layout width >= its description width + 40 px (select border, padding and arrow: a
+    300 px one left 112 px for text) + 7 px per character of its longest option (JupyterLab's 13 px font:
+    138 px measured for the 23 characters of 'bf16/fp16 + fp32 master', 6 px a character)."""
+    calc = memory_calculator()
+    for dropdown in (calc.optimizer, calc.precision):
+        longest = max(len(label) for label, _ in dropdown.options)
+        description = int(dropdown.style.description_width.removesuffix("px"))
+        assert description == 150  # kept: the controls' labels line up
+        assert (dropdown.layout.width or "").endswith("px"), dropdown.layout.width  # None: 300 px from CSS
+        width = int(dropdown.layout.width.removesuffix("px"))
+        assert width >= description + 40 + 7 * longest, (dropdown.description, width, longest)

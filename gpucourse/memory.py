@@ -113,7 +113,7 @@ def stages_plot(rows, *, title="", device_bytes=None):
     ax.invert_yaxis()
     ax.set(xlabel="GB per device (model states only; activations come on top)")
     handles, names = ax.get_legend_handles_labels()
-    fig.legend(handles, names, loc="outside lower center", ncols=min(len(names), 3), fontsize=8)
+    fig.legend(handles, names, loc="outside lower center", ncols=len(names), fontsize=8)
     if title:
         fig.suptitle("\n".join(textwrap.fill(line, TITLE_CHARS) for line in title.splitlines()), fontsize=9)
     return fig

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import textwrap
 
 from matplotlib.figure import Figure
 
@@ -27,6 +28,12 @@ STAGE_NAMES = {0: "DDP (no sharding)", 1: "ZeRO-1: optimizer states", 2: "ZeRO-2
 OPTIMIZER_LABELS = {"adam": "Adam / AdamW (m, v)", "sgd_momentum": "SGD with momentum", "sgd": "plain SGD"}
 PRECISION_LABELS = {"mixed": "bf16/fp16 + fp32 master", "fp32": "fp32"}
 WORLD_SIZES = [2**k for k in range(14)]  # 1 ... 8192
+TITLE_CHARS = 90        # a title line longer than this is wrapped: at 9 pt it would not fit the 8.5-inch figure
+DESCRIPTION_PX = 150    # the controls' description column
+# A dropdown shows only what fits its width and cuts the rest ("Adam / AdamW (m,"): size it from its longest
+# option, 8 px a character (JupyterLab's 13 px font averages 6: measured 138 px for "bf16/fp16 + fp32 master")
+# and 40 px for the arrow and padding.
+CHAR_PX, ARROW_PX = 8, 40
 
 
 def model_states(num_params, world_size, stage, *, optimizer="adam", precision="mixed", offload=False) -> dict:
@@ -82,8 +89,13 @@ def stages_table(num_params, world_size, **kwargs) -> list[dict]:
 
 
 def stages_plot(rows, *, title="", device_bytes=None):
-    """Stacked bars of device memory per stage (parameters, gradients, optimizer states), offload in hatching."""
-    fig = Figure(figsize=(8.5, 3.8), layout="constrained")
+    """Stacked bars of device memory per stage (parameters, gradients, optimizer states), offload in hatching.
+
+    The title is wrapped (a long one ran past both edges of the figure) and set as the figure's suptitle, and
+    the legend sits below the axes: inside them it covered whichever bar or label ended in its corner.
+    Constrained layout makes room for both.
+    """
+    fig = Figure(figsize=(8.5, 4.4), layout="constrained")
     ax = fig.subplots()
     labels = [STAGE_NAMES[r["stage"]] for r in rows]
     bottom = [0.0] * len(rows)
@@ -100,8 +112,10 @@ def stages_plot(rows, *, title="", device_bytes=None):
         ax.axvline(device_bytes / 1e9, color="k", ls=":", lw=1, label=f"device memory {gb(device_bytes)}")
     ax.invert_yaxis()
     ax.set(xlabel="GB per device (model states only; activations come on top)")
-    ax.legend(fontsize=8, loc="lower right")
-    ax.set_title(title, fontsize=9)
+    handles, names = ax.get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncols=len(names), fontsize=8)
+    if title:
+        fig.suptitle("\n".join(textwrap.fill(line, TITLE_CHARS) for line in title.splitlines()), fontsize=9)
     return fig
 
 
@@ -112,7 +126,7 @@ class MemoryCalculator:
                  offload=False, device_gb=80):
         import ipywidgets as w
 
-        style, wide = {"description_width": "150px"}, w.Layout(width="560px")
+        style, wide = {"description_width": f"{DESCRIPTION_PX}px"}, w.Layout(width="560px")
         # step=None: any value, so the browser keeps the given one (the default step of 0.1 in the exponent
         # showed 7.5e9 as 7.94e9, and every figure computed from it was off by 6 %).
         self.params = w.FloatLogSlider(value=num_params, base=10, min=6, max=12, step=None, description="parameters",
@@ -121,11 +135,16 @@ class MemoryCalculator:
                                        style=style, layout=wide)
         self.stage = w.ToggleButtons(options=[(f"stage {s}", s) for s in range(4)], value=stage,
                                      description="ZeRO stage", style=style)
+        # One width for both dropdowns, so they line up: room for the longest option of either.
+        longest = max(map(len, [*OPTIMIZER_LABELS.values(), *PRECISION_LABELS.values()]))
+        fits = w.Layout(width=f"{DESCRIPTION_PX + CHAR_PX * longest + ARROW_PX}px")
         self.optimizer = w.Dropdown(options=[(v, k) for k, v in OPTIMIZER_LABELS.items()], value=optimizer,
-                                    description="optimizer", style=style)
+                                    description="optimizer", style=style, layout=fits)
         self.precision = w.Dropdown(options=[(v, k) for k, v in PRECISION_LABELS.items()], value=precision,
-                                    description="precision", style=style)
-        self.offload = w.Checkbox(value=offload, description="offload to CPU (ZeRO-Offload)", style=style)
+                                    description="precision", style=style, layout=fits)
+        # wide: at the default 300 px, less the 150 px indent, its label was cut to "offload to CPU (..."
+        self.offload = w.Checkbox(value=offload, description="offload to CPU (ZeRO-Offload)", style=style,
+                                  layout=wide)
         self.device_gb = w.BoundedFloatText(value=device_gb, min=1, max=10_000, description="GB per device",
                                             style=style)
         self.summary = w.HTML()
@@ -149,7 +168,7 @@ class MemoryCalculator:
         per = self.rows[0]["bytes_per_param"]
         self.figure = stages_plot(
             self.rows, device_bytes=self.device_gb.value * 1e9,
-            title=(f"Model states per device: {psi:.3g} parameters on {n} GPUs, "
+            title=(f"Model states per device: {psi:.3g} parameters on {n} GPUs,\n"
                    f"{OPTIMIZER_LABELS[self.optimizer.value]}, {PRECISION_LABELS[self.precision.value]} "
                    f"({per['param_bytes']} + {per['grad_bytes']} + {per['optimizer_bytes']} bytes/parameter)"))
         self.summary.value = self.describe()

@@ -366,3 +366,52 @@ def test_widgets_show_the_values_they_were_given(lab, browser):
     quiz = page.locator(".jp-Cell").nth(2)
     scroll_to(quiz)
     assert "Which option?" in quiz.inner_text() and "ANSWER-TEXT" not in quiz.inner_text()  # not before answering
+
+
+# JS: for each <select> in the element, the widest option's text (canvas measureText in the select's own
+# computed font) against the width the select leaves for text (client width less its padding, where
+# ipywidgets draws the arrow). A select never scrolls, so scrollWidth cannot tell: the label is just cut.
+SELECT_FIT = """box => Array.from(box.querySelectorAll('select')).map(sel => {
+    const style = getComputedStyle(sel);
+    const ctx = document.createElement('canvas').getContext('2d');
+    ctx.font = style.font;
+    const text = Array.from(sel.options).map(o => o.text)
+                      .reduce((a, b) => ctx.measureText(a).width >= ctx.measureText(b).width ? a : b);
+    return {text, needed: ctx.measureText(text).width,
+            room: sel.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight)}; })"""
+# JS: labels cut with an ellipsis ("offload to CPU (..."): text that overflows the element it is drawn in.
+CUT_LABELS = """box => Array.from(box.querySelectorAll('label, .widget-readout'))
+    .filter(el => el.clientWidth > 0 && el.scrollWidth > el.clientWidth)
+    .map(el => ({text: el.innerText, scroll: el.scrollWidth, client: el.clientWidth}))"""
+# JS: the plot's natural width against what it is drawn at (max-width: 100% shrinks a wider one silently).
+IMAGE_FIT = """box => Array.from(box.querySelectorAll('img')).map(img =>
+    ({natural: img.naturalWidth, shown: img.clientWidth, container: img.parentElement.clientWidth}))"""
+CALCULATOR_SHOT = Path("/tmp/calc-after.png")
+
+
+def test_memory_calculator_fits_its_box(lab, browser):
+    """Chapter 07's calculator as rendered: no dropdown label cut ('Adam / AdamW (m,', 'bf16/fp16 + fp32 ma'),
+    the plot drawn at its own size. (The title and legend inside the plot are checked in test_memory.py.)"""
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell("from gpucourse.memory import memory_calculator\n"
+                                          "memory_calculator(num_params=7.5e9, world_size=64)")]
+    nbformat.write(nb, lab.root / "calculator.ipynb")
+    page = open_notebook(browser, lab, "calculator.ipynb")
+    run_all(page)
+    wait_all_ran(page, "calculator.ipynb")
+    box = page.locator(".jp-OutputArea-output .widget-vbox").first
+    box.locator("img").wait_for(timeout=60_000)
+    scroll_to(box)
+    page.wait_for_function("box => Array.from(box.querySelectorAll('img')).every(i => i.complete)",
+                           arg=box.element_handle())
+    box.screenshot(path=str(CALCULATOR_SHOT))
+
+    selects, images = box.evaluate(SELECT_FIT), box.evaluate(IMAGE_FIT)
+    assert len(selects) == 2 and len(images) == 1, (selects, images)  # optimizer and precision; the plot
+    problems = {  # all at once: one failure says everything that is cut
+        "dropdown text wider than its select (px)": [s for s in selects if s["needed"] > s["room"]],
+        "labels cut": box.evaluate(CUT_LABELS),
+        "plot shrunk to fit": [i for i in images if i["natural"] > min(i["shown"], i["container"])],
+    }
+    assert not any(problems.values()), problems

@@ -124,3 +124,44 @@ def test_widget_builds_and_redraws():
     assert "in CPU memory" in calc.summary.value
     calc.stage.value = 0
     assert "ignored" in calc.summary.value
+
+
+@pytest.mark.parametrize("settings", [
+    {},                                          # chapter 07's call: the 129-character title ran off both sides
+    {"world_size": 1},                           # every bar 120 GB long: the lower-right legend sat on them
+    {"offload": True, "stage": 1},               # five legend entries
+    {"optimizer": "sgd", "precision": "fp32"},
+])
+def test_plot_keeps_title_and_legend_inside_and_off_the_bars(settings):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    fig = memory_calculator(**{"num_params": 7.5e9, "world_size": 64, **settings}).figure
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    inside = fig.bbox.padded(0.5)  # half a pixel of rounding
+    [ax] = fig.axes
+    [legend] = fig.legends + ([ax.get_legend()] if ax.get_legend() else [])  # one, wherever it is attached
+    [title] = [t for t in fig.findobj(Text) if t.get_text() and "Model states per device" in t.get_text()]
+    labels = ax.texts  # "120 GB" at the end of each bar
+    for artist in [title, legend, *labels]:
+        box = artist.get_window_extent(renderer)
+        assert inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1), (artist, box, fig.bbox)
+    legend_box = legend.get_window_extent(renderer)
+    bars = [p for p in ax.patches if p.get_width() > 0]
+    for artist in [*bars, *labels, title]:
+        assert not legend_box.overlaps(artist.get_window_extent(renderer)), artist
+
+
+def test_dropdowns_are_wide_enough_for_their_longest_option():
+    """Rule: a dropdown's layout width >= its description width + 40 px (select border, padding and arrow: a
+    300 px one left 112 px for text) + 7 px per character of its longest option (JupyterLab's 13 px font:
+    138 px measured for the 23 characters of 'bf16/fp16 + fp32 master', 6 px a character)."""
+    calc = memory_calculator()
+    for dropdown in (calc.optimizer, calc.precision):
+        longest = max(len(label) for label, _ in dropdown.options)
+        description = int(dropdown.style.description_width.removesuffix("px"))
+        assert description == 150  # kept: the controls' labels line up
+        assert (dropdown.layout.width or "").endswith("px"), dropdown.layout.width  # None: 300 px from CSS
+        width = int(dropdown.layout.width.removesuffix("px"))
+        assert width >= description + 40 + 7 * longest, (dropdown.description, width, longest)

@@ -36,6 +36,16 @@ class _Follower:
         return [ln.decode(errors="replace").rstrip("\r") for ln in lines]
 
 
+def _reading_order(path: Path) -> tuple:
+    """Ranks in order, and a rank's stdout before its stderr; agents' logs last. Lines that reach one poll from
+    both streams of a rank cannot be timed against each other: this puts what a rank printed before the traceback
+    it died with (the usual order), where reading stderr first (its name sorts first) turned it around."""
+    parsed = rank_of_file(path)
+    if parsed is None or parsed[1] not in STREAMS:
+        return (1, 0, 0, str(path))
+    return (0, parsed[0], STREAMS.index(parsed[1]), str(path))
+
+
 class RunTailer:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
@@ -56,7 +66,7 @@ class RunTailer:
         """New log lines (all ranks) and new metric records since the last call."""
         self._discover()
         lines: list[Line] = []
-        for path, follower in self.logs.items():
+        for path, follower in sorted(self.logs.items(), key=lambda item: _reading_order(item[0])):
             parsed = rank_of_file(path)
             rank, stream = parsed if parsed and parsed[1] in STREAMS else (None, "stderr")  # None: an agent's log
             for text in follower.read(final):

@@ -98,3 +98,18 @@ def test_panes_wrap_between_words(widget_view):
     css = live.WidgetView.CSS
     assert widget_view.style.value == f"<style>{css}</style>"
     assert css.startswith(f"div.{live.WidgetView.CSS_CLASS} pre ") and "word-break: normal" in css
+
+
+def test_a_rank_s_printed_lines_come_before_the_traceback_it_died_with(tmp_path):
+    """Both streams written before one poll (a rank prints, then dies): stdout is read first."""
+    from gpucourse.contract import attempt_dir, logs_dir
+    from gpucourse.tail import RunTailer
+
+    folder = attempt_dir(logs_dir(tmp_path), 0)
+    folder.mkdir(parents=True)
+    for rank in (1, 0):
+        (folder / f"rank{rank}.stderr").write_text(f"Traceback of rank {rank}\n")
+        (folder / f"rank{rank}.stdout").write_text(f"step 3 of rank {rank}\n")
+    lines, _ = RunTailer(tmp_path).poll()
+    assert [(ln.rank, ln.text) for ln in lines] == [(0, "step 3 of rank 0"), (0, "Traceback of rank 0"),
+                                                   (1, "step 3 of rank 1"), (1, "Traceback of rank 1")]

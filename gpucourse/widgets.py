@@ -126,12 +126,18 @@ def simulation_plot(curves: dict, *, title: str = "", measured: dict | None = No
 
 
 # --- drawing into an Output widget ---------------------------------------------------------------------
+PNG_DPI = 90
+PNG_MAX_WIDTH_PX = 900  # JupyterLab's output area in a 1366-pixel-wide window: wider images are shrunk, text blurs
+
+
 def _png(fig):
-    """The figure as an IPython Image: displays anywhere, with no pyplot and no inline backend needed."""
+    """The figure as an IPython Image: displays anywhere, with no pyplot and no inline backend needed.
+
+    Drawn at most PNG_MAX_WIDTH_PX wide (a lower dpi for wide figures), so the browser shows it at its own size."""
     from IPython.display import Image
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    fig.savefig(buf, format="png", dpi=min(PNG_DPI, PNG_MAX_WIDTH_PX / fig.get_figwidth()))
     return Image(data=buf.getvalue(), format="png")
 
 

@@ -409,9 +409,40 @@ def test_memory_calculator_fits_its_box(lab, browser):
 
     selects, images = box.evaluate(SELECT_FIT), box.evaluate(IMAGE_FIT)
     assert len(selects) == 2 and len(images) == 1, (selects, images)  # optimizer and precision; the plot
-    problems = {  # all at once: one failure says everything that is cut
-        "dropdown text wider than its select (px)": [s for s in selects if s["needed"] > s["room"]],
+    assert_fits(box)
+
+
+def assert_fits(box) -> None:
+    """Nothing in a rendered widget is cut: dropdown texts fit their selects, no label overflows, no plot is
+    shrunk. All problems at once: one failure says everything that is cut."""
+    problems = {
+        "dropdown text wider than its select (px)": [s for s in box.evaluate(SELECT_FIT) if s["needed"] > s["room"]],
         "labels cut": box.evaluate(CUT_LABELS),
-        "plot shrunk to fit": [i for i in images if i["natural"] > min(i["shown"], i["container"])],
+        "plot shrunk to fit": [i for i in box.evaluate(IMAGE_FIT) if i["natural"] > min(i["shown"], i["container"])],
     }
     assert not any(problems.values()), problems
+
+
+def test_run_explorer_shows_a_profiled_run(lab, browser):
+    """Chapter 03's run explorer on a real profiled job: the run listed, its timeline drawn, nothing cut."""
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "gpucourse", "display_name": "Python (gpucourse)",
+                                                           "language": "python"}})
+    worker = Path(__file__).resolve().parent / "jobs" / "worker.py"
+    nb.cells = [nbformat.v4.new_code_cell(f"import gpucourse\nfrom gpucourse.widgets import run_explorer\n"
+                                          f"gpucourse.launch({str(worker)!r}, nproc=2, args=['--steps', '4', "
+                                          f"'--profile'], name='explored', live=False)"),
+                nbformat.v4.new_code_cell("run_explorer()")]
+    nbformat.write(nb, lab.root / "explorer.ipynb")
+    page = open_notebook(browser, lab, "explorer.ipynb")
+    run_all(page)
+    wait_all_ran(page, "explorer.ipynb")
+    box = page.locator(".jp-OutputArea-output .widget-vbox").first
+    box.locator("img").first.wait_for(timeout=60_000)
+    scroll_to(box)
+    page.wait_for_function("box => Array.from(box.querySelectorAll('img')).every(i => i.complete)",
+                           arg=box.element_handle())
+    chosen = box.locator("select").evaluate("sel => sel.options[sel.selectedIndex].text")
+    assert chosen.startswith("explored"), chosen
+    assert box.locator("img").count() == 2  # the timeline and the breakdown
+    assert_fits(box)
+    assert_nothing_running(lab)

@@ -15,6 +15,7 @@ import pytest
 
 from gpucourse import exercises, grading
 from gpucourse.exercises import ExerciseError, generate_exercises, render_exercise, resolve
+from tests.graders.job_records import REPORT_SLACK
 
 SOLUTION = exercises.solutions_dir() / "ex01_ring_allreduce.py"
 EXERCISE = exercises.exercises_dir() / "ex01_ring_allreduce.py"
@@ -387,7 +388,7 @@ def test_misbehaving_code_is_graded_in_bounded_time_and_leaves_nothing(tmp_path,
     (tmp_path / "ex01_ring_allreduce.py").write_text(MISBEHAVING)
     start = time.monotonic()
     report = grading.grade("ex01", tmp_path)
-    assert time.monotonic() - start < 150
+    assert time.monotonic() - start < 150 * REPORT_SLACK  # the suite's limits have REPORT_SLACK times more room
     reasons = {t.name: t.reason for t in report.tests}
     assert report.score == 0 and report.tests, report.table()
     assert "did not finish within" in reasons["test_matches_all_reduce[1]"]

@@ -75,6 +75,34 @@ def _rank_logs_specs():
     return RankLogs
 
 
+def _tolerate_torn_error_files() -> None:
+    """Read a rank's unreadable error file as no error file, instead of letting torchrun itself crash.
+
+    A rank writes its error file while it dies of an exception, and torchrun SIGTERMs every rank still
+    running as soon as one has failed. A rank stopped between opening that file and finishing it leaves
+    it empty or cut short; torchrun then reads it for its records of the stopped ranks (after close())
+    and raises JSONDecodeError, losing the real root cause ("torchrun could not run the job"). A torn
+    file only ever belongs to a rank that was stopped, so treating it as absent loses nothing.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    original = ProcessFailure.__post_init__
+
+    def post_init(self):
+        try:
+            json.loads(Path(self.error_file).read_text())
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError):
+            self.error_file = TORN_ERROR_FILE
+        original(self)
+
+    ProcessFailure.__post_init__ = post_init
+
+
+TORN_ERROR_FILE = "<torn error file>"  # no such file: torchrun then records the rank as having written none
+
+
 def _failure_record(rank: int, failure) -> dict:
     message = failure.message
     if isinstance(message, dict):
@@ -204,6 +232,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    _tolerate_torn_error_files()
     args = torchrun.parse_args(torchrun_args)
     if args.standalone or (args.rdzv_backend == "c10d" and is_loopback_endpoint(args.rdzv_endpoint)):
         _bind_stores_to_loopback()

@@ -169,8 +169,10 @@ def _record_uncaught_exceptions() -> None:
             data = {"message": {"message": f"{exc_type.__name__}: {exc}", "extraInfo": {
                 "py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
                 "timestamp": str(int(time.time()))}}}
-            with contextlib.suppress(OSError):
-                Path(path).write_text(json.dumps(data))
+            with contextlib.suppress(OSError):  # whole or not at all: torchrun may SIGTERM us mid-write
+                tmp = Path(f"{path}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(data))
+                tmp.replace(path)
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook

@@ -68,6 +68,15 @@ def test_the_rank_that_failed_by_itself_is_named(no_survivors, mode, rank, other
     assert all(res.returncodes[r] not in (0, None) for r in range(NPROC)), res.returncodes
 
 
+def test_a_rank_stopped_while_writing_its_error_file_does_not_hide_the_root_cause(no_survivors):
+    # The innocent ranks' error files are empty when torchrun SIGTERMs them; torchrun reads them for its
+    # records and, unguarded, crashes with JSONDecodeError ("torchrun could not run the job").
+    res = _launch("exit", 1, "torn")
+    assert res.status == "failed", res.summary()
+    assert (res.error.rank, res.error.exitcode) == (1, 3), res.summary()
+    assert res.returncodes[0] == -15 and res.returncodes[2] == -15, res.returncodes
+
+
 def test_an_abort_at_exit_after_all_work_is_reported_as_such(no_survivors):
     res = _launch("abort-at-exit", 1, "sleep")
     assert res.status == "failed"

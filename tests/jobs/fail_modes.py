@@ -8,7 +8,8 @@
                           interpreter exit, as gloo's worker thread does ("terminate called without an active
                           exception", see runtime.wait_for_gloo_workers)
 --others: what the other ranks do meanwhile: block in a collective the failing rank never joins (they then see
-the peer's death, or torchrun SIGTERMs them first), or sleep until torchrun SIGTERMs them.
+the peer's death, or torchrun SIGTERMs them first), sleep until torchrun SIGTERMs them, or leave their error file
+torn (opened, nothing written: as a rank that torchrun stops while it writes its exception there) and sleep.
 """
 import argparse
 import atexit
@@ -28,7 +29,7 @@ from gpucourse.contract import EVENT_TEARDOWN, metrics_file
 parser = argparse.ArgumentParser()
 parser.add_argument("--mode", choices=["raise", "abort", "exit", "segv", "abort-at-exit"], required=True)
 parser.add_argument("--rank", type=int, default=1, help="the rank that fails")
-parser.add_argument("--others", choices=["collective", "sleep"], default="sleep")
+parser.add_argument("--others", choices=["collective", "sleep", "torn"], default="sleep")
 args = parser.parse_args()
 
 
@@ -70,6 +71,9 @@ elif ctx.rank == args.rank:
         os._exit(3)
     os.kill(os.getpid(), signal.SIGSEGV)
     time.sleep(10)
+elif args.others == "torn":
+    open(os.environ["TORCHELASTIC_ERROR_FILE"], "w").close()
+    time.sleep(120)
 elif args.others == "collective":
     dist.all_reduce(torch.ones(1))  # the failing rank never joins: this blocks until it dies
     time.sleep(120)

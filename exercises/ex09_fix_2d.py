@@ -10,14 +10,15 @@ column-parallel, `proj` row-parallel, through `parallelize_module`), `mesh["dp"]
 code below is theirs. It runs without an error at every mesh shape, and the loss falls. But it does not
 compute what one process computes on the whole batch:
 
-- on a 2x2 mesh and on a 1x2 mesh the losses differ from the one-process losses from the very first step,
-  by far more than float rounding (which stays around 1e-7), and so do the trained parameters;
-- on a 2x1 mesh (data parallel only) they differ too;
-- the embedding and the output head are not the same on the ranks of one tp group, although no rank ever
-  changes them differently from its partner... except from where they started.
+- on a 2x2 mesh, a 1x2 mesh (tensor parallel only) and a 2x1 mesh (data parallel only), the losses differ
+  from the one-process losses from the very first step, by far more than float rounding (which stays around
+  1e-7), and so do the trained parameters;
+- the embedding and the output head, which tensor parallelism leaves whole on every rank, are not the same on
+  the ranks of one tp group.
 
-Two lines, both right in the data-parallel script they came from, are wrong on a 2D mesh. Find them and fix
-them (chapter 09, section 2, says what each rank must hold and see). Nothing else needs to change.
+Two mistakes, each in code that was right in the data-parallel script it came from, are wrong on a 2D mesh.
+Find them and fix them (chapter 09, section 2, says what each rank must hold and which rows it must see).
+Nothing else needs to change.
 
 The contract (what `gpucourse grade ex09` checks)
 -------------------------------------------------

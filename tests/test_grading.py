@@ -83,6 +83,36 @@ def test_hint_quotes_are_escaped():
     assert str(err.value) == 'say "hi" \\ bye'
 
 
+def test_buggy_blocks_hand_out_their_code_unmarked():
+    """A "fix the bug" exercise (ex09): the block's ### BUGGY: lines, at the block's indentation plus their own,
+    replace the fixed code; no stub, no marker says where the bug is."""
+    src = textwrap.dedent('''\
+        def rows(rank, group, per):
+            start = 0
+            ### BEGIN SOLUTION
+            ### BUGGY: if rank:
+            ### BUGGY:     start = rank * per
+            start = group * per
+            ### END SOLUTION
+            return slice(start, start + per)
+        ''')
+    out = render_exercise(src)
+    assert out == ("def rows(rank, group, per):\n    start = 0\n    if rank:\n        start = rank * per\n"
+                   "    return slice(start, start + per)\n")
+    namespace = {}
+    exec(compile(out, "<exercise>", "exec"), namespace)
+    assert namespace["rows"](3, 1, 2) == slice(6, 8)  # the bug runs
+    with pytest.raises(ExerciseError, match="x.py:2: a block with ### BUGGY: lines hands out code, not a stub"):
+        render_exercise("def f():\n    ### BEGIN SOLUTION\n    ### HINT: h\n    ### BUGGY: return 1\n"
+                        "    return 2\n    ### END SOLUTION\n", "x.py")
+
+
+def test_the_generated_header_says_what_to_do():
+    texts = {name: (exercises.exercises_dir() / f"{name}.py").read_text() for name in exercises.solution_files()}
+    assert "find and fix what the docstring describes" in texts["ex09_fix_2d"]
+    assert "fill in every `# YOUR CODE HERE`" in texts["ex03_predict_scaling"]
+
+
 @pytest.mark.parametrize("src, where", [
     ("def f():\n    ### BEGIN SOLUTION\n    pass\n", "x.py:2: BEGIN SOLUTION is never closed"),
     ("def f():\n    ### END SOLUTION\n", "x.py:2: END SOLUTION without a BEGIN"),

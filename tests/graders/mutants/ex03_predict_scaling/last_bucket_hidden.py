@@ -1,7 +1,8 @@
 """The last bucket is counted as hidden too: exposed = max(0, comm − backward).
 
 The last bucket is ready only when backward ends, so nothing is left to hide it: with a long backward the
-step is predicted as compute alone.
+step is predicted as compute alone, and a model whose gradients fit one bucket turns communication-bound
+only when that bucket outlasts backward as well as the whole compute.
 
 A copy of solutions/ex03_predict_scaling.py with this one mistake (the lines marked `# MUTANT:`).
 tests/test_mutants.py grades it and checks that exactly the grader tests in MUST_FAIL lose their points, and
@@ -10,6 +11,7 @@ that every other test keeps them.
 MUST_FAIL = (
     'test_predicted_step_time',
     'test_scaling_efficiency',
+    'test_comm_bound_from',
 )
 import numbers
 from dataclasses import dataclass

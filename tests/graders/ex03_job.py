@@ -103,7 +103,8 @@ def compute_step(model: nn.Module) -> tuple[float, float]:
 
 
 def trainable_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    """The gradient bytes DDP would all-reduce: every parameter that requires a gradient, at its dtype's size."""
+    return sum(p.nbytes for p in model.parameters() if p.requires_grad)
 
 
 # --- the cases -----------------------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ def run(module, what: tuple) -> dict:
         model = what[1]
         return {"got": number(module.gradient_bytes(model)), "expected": trainable_bytes(model),
                 "elements": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                "all_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+                "all_bytes": sum(p.nbytes for p in model.parameters())}
     if kind == "all_reduce":
         _, pairs, alpha, beta = what
         return {"pairs": pairs, "alpha": alpha, "beta": beta,

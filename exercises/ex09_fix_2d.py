@@ -7,12 +7,13 @@ The story
 A colleague took a data-parallel training script that worked (chapter 02's recipe) and added tensor
 parallelism on a 2D mesh, as chapter 09 does: `mesh["tp"]` splits every MLP block Megatron-style (`fc`
 column-parallel, `proj` row-parallel, through `parallelize_module`), `mesh["dp"]` averages the gradients. The
-code below is theirs. It runs without an error at every mesh shape, and the loss falls. But it does not
-compute what one process computes on the whole batch:
+code below is theirs. It runs without an error at every mesh shape, but it does not compute what one
+process computes on the whole batch:
 
 - on a 2x2 mesh, a 1x2 mesh (tensor parallel only) and a 2x1 mesh (data parallel only), the losses differ
   from the one-process losses from the very first step, by far more than float rounding (which stays around
   1e-7), and so do the trained parameters;
+- on the 2x2 and 1x2 meshes, the two ranks of one tp group return different losses for the same step;
 - the embedding and the output head, which tensor parallelism leaves whole on every rank, are not the same on
   the ranks of one tp group.
 

@@ -440,3 +440,29 @@ def test_every_grader_gives_solutions_full_marks_and_untouched_exercises_zero(na
     assert solved.max_score > 0 and solved.score == solved.max_score, solved.table()
     untouched = grading.grade(name, "exercises")
     assert untouched.tests and [t.name for t in untouched.tests if t.score] == [], untouched.table()
+
+
+@pytest.mark.slow
+def test_ex09_untouched_shows_what_its_docstring_says(tmp_path, monkeypatch):
+    """ex09 hands out a buggy step, not a stub: what its docstring says the learner will see is what its jobs record.
+    The losses differ from one process at step 0 on every mesh, far beyond rounding; the two tp ranks of a group
+    return different losses (2x2, 1x2); the embedding and head differ between tp ranks (the init case)."""
+    monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(tmp_path))
+    report = grading.grade("ex09_fix_2d", "exercises")
+    assert report.tests and report.score == 0, report.table()
+    records = {}
+    for run in tmp_path.glob("grade-ex09-*"):
+        mesh = run.name.split("-")[2]
+        for path in (run / "metrics").glob("rank*.jsonl"):
+            for rec in map(json.loads, path.read_text().splitlines()):
+                if rec.get("case") in ("init", "train"):
+                    records.setdefault(mesh, {}).setdefault(rec["case"], {})[tuple(rec["coords"])] = rec
+    assert sorted(records) == ["1x2", "2x1", "2x2"], sorted(records)
+    for mesh, cases in records.items():
+        for rec in cases["train"].values():
+            assert abs(rec["losses"][0] - rec["expected_losses"][0]) > 1e-3, (mesh, rec)
+        if mesh != "2x1":
+            losses = {coords[1]: rec["losses"][0] for coords, rec in cases["train"].items() if coords[0] == 0}
+            assert losses[0] != losses[1], (mesh, losses)
+            init = cases["init"][(0, 1)]
+            assert init["max_diff"] > 1e-3 and init["worst"] in ("tok.weight", "head.weight"), (mesh, init)

@@ -436,8 +436,9 @@ def hfu(achieved_hardware_flops_per_second, device_name=None, dtype="bf16", n_de
     return mfu(achieved_hardware_flops_per_second, device_name, dtype, n_devices, peak=peak)
 
 
-def _check_transformer(n_params, n_layers, d_model, seq_len):
-    for value, name in ((n_params, "n_params"), (n_layers, "n_layers"), (d_model, "d_model"), (seq_len, "seq_len")):
+def _check_transformer(n_params, n_layers, attn_width, seq_len):
+    for value, name in ((n_params, "n_params"), (n_layers, "n_layers"), (attn_width, "attn_width"),
+                        (seq_len, "seq_len")):
         _require(value >= 0 if name == "n_params" else value >= 1, f"{name} must be >= "
                  f"{0 if name == 'n_params' else 1}, got {value!r}")
 
@@ -447,27 +448,28 @@ def _attention_keys(seq_len, causal):
     return (seq_len + 1) / 2 if causal else seq_len
 
 
-def model_flops_per_token(n_params, n_layers, d_model, seq_len, *, causal=False):
+def model_flops_per_token(n_params, n_layers, attn_width, seq_len, *, causal=False):
     """Training FLOPs per token (forward + backward) of a decoder-only transformer: 6 N + 12 L d T.
 
     n_params (N): parameters that take part in matrix products - every Linear weight, the output head included.
     Not the embedding tables (a lookup does no arithmetic), biases or norms; FlopCounterMode counts the same.
     Each such weight costs 2 FLOPs per token forward (multiply + add) and 4 backward (the input's gradient and
     the weight's): 6 N.
-    Attention (PaLM appendix B's 12 L H Q T, with H heads of size Q, H Q = d): per layer and token, the scores
-    q.K^T and the weighted sum of V each take 2 d FLOPs per key: 4 d T forward, x 3 with backward.
+    Attention (PaLM appendix B's 12 L H Q T): attn_width d = H Q, heads x head size, the width of q, k and v -
+    d_model in most models, but not all (PaLM 540B: 48 x 256 = 12288, d_model 18432). Per layer and token the
+    scores q.K^T and the weighted sum of V each take 2 d FLOPs per key: 4 d T forward, x 3 with backward.
     causal=False is PaLM's convention, and what most published MFU figures (and FlopCounterMode) use: every
     query against all T keys. A causal model needs only the unmasked half: query i against i + 1 keys, (T + 1)/2
     on average, so causal=True gives 6 N + 6 L d (T + 1), the useful work of a kernel that skips masked blocks.
     """
-    _check_transformer(n_params, n_layers, d_model, seq_len)
-    return 6 * n_params + 12 * n_layers * d_model * _attention_keys(seq_len, causal)
+    _check_transformer(n_params, n_layers, attn_width, seq_len)
+    return 6 * n_params + 12 * n_layers * attn_width * _attention_keys(seq_len, causal)
 
 
 RECOMPUTE = ("none", "selective", "full")
 
 
-def hardware_flops_per_token(n_params, n_layers, d_model, seq_len, *, recompute="none", causal=False):
+def hardware_flops_per_token(n_params, n_layers, attn_width, seq_len, *, recompute="none", causal=False):
     """FLOPs per token the hardware executes: model FLOPs plus what activation recomputation runs again.
 
     recompute="full": every layer's forward runs twice (checkpointed layers), + 2 N + 4 L d T.
@@ -475,6 +477,6 @@ def hardware_flops_per_token(n_params, n_layers, d_model, seq_len, *, recompute=
     recomputed, + 4 L d T. These count in HFU, never in MFU: the model did not get any more work done.
     """
     _require(recompute in RECOMPUTE, f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
-    flops = model_flops_per_token(n_params, n_layers, d_model, seq_len, causal=causal)
-    attention_forward = 4 * n_layers * d_model * _attention_keys(seq_len, causal)
+    flops = model_flops_per_token(n_params, n_layers, attn_width, seq_len, causal=causal)
+    attention_forward = 4 * n_layers * attn_width * _attention_keys(seq_len, causal)
     return flops + {"none": 0, "selective": attention_forward, "full": 2 * n_params + attention_forward}[recompute]

@@ -406,3 +406,12 @@ def test_hardware_flops_add_only_the_recomputed_forward():
         costs.hardware_flops_per_token(1000, 2, 8, 16, recompute="partial")
     with pytest.raises(ValueError, match="seq_len must be >= 1"):
         costs.model_flops_per_token(1000, 2, 8, 0)
+
+
+def test_palm_540b_mfu_from_the_papers_numbers():
+    """Chowdhery et al. 2022: 540.35e9 parameters, 118 layers, 48 heads of 256, T = 2048, 238.3e3 tokens/s on
+    6144 TPU v4 chips of 275e12 FLOP/s: table 3 prints 46.2 %. The attention width is H Q = 12288, not d_model."""
+    flops = costs.model_flops_per_token(540.35e9, 118, 48 * 256, 2048)
+    assert flops == 6 * 540.35e9 + 12 * 118 * 48 * 256 * 2048
+    assert round(100 * costs.mfu(flops * 238.3e3, n_devices=6144, peak=275e12), 1) == 46.2
+    assert round(100 * costs.mfu(6 * 540.35e9 * 238.3e3, n_devices=6144, peak=275e12), 1) == 45.7  # no attention

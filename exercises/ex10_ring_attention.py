@@ -173,7 +173,7 @@ class RingAttention(torch.autograd.Function):
         outs = [torch.zeros_like(qc) for qc in qs]
         lses = [torch.full((*qc.shape[:-1], 1), float("-inf"), dtype=q.dtype, device=q.device) for qc in qs]
         # YOUR CODE HERE
-        raise NotImplementedError("kv = torch.stack([k, v]); for each step: start passing kv on (not at the last step), compute")
+        raise NotImplementedError("kv = torch.stack([k, v]); each step: ring.start(kv) (not at the last), every block by block_kind(mine[i], theirs[j]): block_forward, merge; then wait")
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.group = causal, group
@@ -190,7 +190,7 @@ class RingAttention(torch.autograd.Function):
         qs, dos, lses, deltas = (t.chunk(2, dim=2) for t in (q, dout, lse, delta))
         dqs = [torch.zeros_like(qc) for qc in qs]
         # YOUR CODE HERE
-        raise NotImplementedError("kv = stack([k, v]), dkv = zeros_like(kv); each step: prefetch the next kv (not at the last step),")
+        raise NotImplementedError("kv = stack([k, v]), dkv = zeros_like(kv); each step: prefetch kv, add block_backward's dq/dk/dv, pass dkv on (N hops: home)")
         return torch.cat(dqs, dim=2), dkv[0], dkv[1], None, None
 
 

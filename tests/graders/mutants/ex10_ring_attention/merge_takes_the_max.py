@@ -174,8 +174,7 @@ class RingAttention(torch.autograd.Function):
         outs = [torch.zeros_like(qc) for qc in qs]
         lses = [torch.full((*qc.shape[:-1], 1), float("-inf"), dtype=q.dtype, device=q.device) for qc in qs]
         ### BEGIN SOLUTION
-        ### HINT: kv = torch.stack([k, v]); for each step: start passing kv on (not at the last step), compute
-        ### HINT: every (query chunk, key chunk) pair by block_kind of (mine[i], theirs[j]), merge, then wait
+        ### HINT: kv = torch.stack([k, v]); each step: ring.start(kv) (not at the last), every block by block_kind(mine[i], theirs[j]): block_forward, merge; then wait
         kv = torch.stack([k, v])
         for step in range(ring.world):
             theirs = chunk_ids((ring.rank - step) % ring.world, ring.world)
@@ -206,8 +205,7 @@ class RingAttention(torch.autograd.Function):
         qs, dos, lses, deltas = (t.chunk(2, dim=2) for t in (q, dout, lse, delta))
         dqs = [torch.zeros_like(qc) for qc in qs]
         ### BEGIN SOLUTION
-        ### HINT: kv = stack([k, v]), dkv = zeros_like(kv); each step: prefetch the next kv (not at the last step),
-        ### HINT: add this rank's block gradients into dqs and dkv, then pass dkv on (every step: N hops brings it home)
+        ### HINT: kv = stack([k, v]), dkv = zeros_like(kv); each step: prefetch kv, add block_backward's dq/dk/dv, pass dkv on (N hops: home)
         kv = torch.stack([k, v])
         dkv = torch.zeros_like(kv)
         for step in range(ring.world):

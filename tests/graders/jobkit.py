@@ -257,19 +257,20 @@ class Allocations(TorchDispatchMode):
                 self.refs.append(weakref.ref(t))
         return out
 
-    def alive_bytes(self, exclude=()) -> int:
+    def alive_bytes(self, exclude=(), within: int = 0) -> int:
         """Bytes of the storages still alive among those tensors (each storage once), except `exclude`'s.
 
         A collective's buffer stays referenced by gloo's worker thread until that thread has finished with the
         work, which can be after wait() returned: wait for gloo's workers to go idle first; what is alive is
-        then asked again, a few times, before it counts (the smallest of the answers)."""
+        then asked again, a few times, before it counts (the smallest of the answers). An answer of at most
+        `within` bytes (what the grader allows) is final at once."""
         runtime.wait_for_gloo_workers()
         alive = None
         for _ in range(RECHECKS):
             now = self._alive_bytes(exclude)
             alive = now if alive is None else min(alive, now)
-            if not alive:
-                return 0
+            if alive <= within:
+                return alive
             time.sleep(RECHECK_S)
         return alive
 

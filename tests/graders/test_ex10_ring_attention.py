@@ -29,8 +29,8 @@ pytestmark = pytest.mark.grader
 
 JOB = Path(__file__).with_name("ex10_job.py")
 WORLD_SIZES = (1, 2, 3, 4)
-CASE_LIMIT_S = 20
-JOB_TIMEOUT_S = 180
+CASE_LIMIT_S = 30  # a case takes seconds (4 jobs, 10 ranks side by side); the limit catches deadlocks
+JOB_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def bytes_problem(rec) -> str | None:
 def saved_problem(rec) -> str | None:
     saved, shard = rec["saved_bytes"], rec["shard_bytes"]
     if saved is None:
-        return rec["output"] or "no output"
+        return rec["output"] or "the forward returned no tensor"
     if saved > shard:
         return (f"the forward left {saved} bytes alive for backward besides q, k, v and the output "
                 f"({saved / shard:.1f} shards of {shard} bytes; allowed: one, e.g. the log-sum-exp): keep only "

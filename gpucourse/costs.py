@@ -480,3 +480,33 @@ def hardware_flops_per_token(n_params, n_layers, attn_width, seq_len, *, recompu
     flops = model_flops_per_token(n_params, n_layers, attn_width, seq_len, causal=causal)
     attention_forward = 4 * n_layers * attn_width * _attention_keys(seq_len, causal)
     return flops + {"none": 0, "selective": attention_forward, "full": 2 * n_params + attention_forward}[recompute]
+
+
+# --- 10. context parallelism: bytes each rank sends per attention layer ---------------------------------------
+
+CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")
+
+
+def context_parallel_bytes(method, shard_bytes, n, *, backward=False):
+    """Bytes one rank sends for one attention layer's forward (or its backward) with the sequence split over n ranks.
+
+    shard_bytes: one of this rank's q, k, v shards (batch × heads × seq/n × head_dim × bytes per value); K and V
+    together are kv = 2 · shard_bytes. What each way sends (chapter 10 counts the sends and checks these):
+      all_gather  forward all-gather K and V ((n-1)/n of the whole K and V = (n-1)·kv); backward reduce-scatter
+                  dK and dV (the same).
+      ring        forward (n-1) hops of the local K/V block; backward the K/V blocks go round again ((n-1)·kv)
+                  and their gradients dK/dV travel with them all the way home (n hops: n·kv). One rank: nothing.
+      ulysses     forward all-to-all of q, k and v (sequence-split to head-split) and of the output back: 4
+                  tensors, each sending (n-1)/n of itself; backward the same 4 (dO in, dq/dk/dv out).
+    The per-rank volume of all_gather and ring does not shrink with n (each rank sees every other's K/V once);
+    Ulysses' does, as (n-1)/n · 4 shards with shards of seq/n, which is why it scales better, up to n = heads.
+    """
+    _require(method in CONTEXT_PARALLEL, f"unknown method {method!r}; valid: {', '.join(CONTEXT_PARALLEL)}")
+    _check_nonneg(shard_bytes, "shard_bytes")
+    _require(n >= 1, f"n (number of ranks) must be >= 1, got {n}")
+    kv = 2 * shard_bytes
+    if method == "all_gather":
+        return (n - 1) * kv
+    if method == "ring":
+        return (n - 1) * kv + (n * kv if backward and n > 1 else 0)  # one rank sends nothing
+    return 4 * bytes_moved_per_rank("all_to_all", shard_bytes, n)

@@ -415,3 +415,23 @@ def test_palm_540b_mfu_from_the_papers_numbers():
     assert flops == 6 * 540.35e9 + 12 * 118 * 48 * 256 * 2048
     assert round(100 * costs.mfu(flops * 238.3e3, n_devices=6144, peak=275e12), 1) == 46.2
     assert round(100 * costs.mfu(6 * 540.35e9 * 238.3e3, n_devices=6144, peak=275e12), 1) == 45.7  # no attention
+
+
+def test_context_parallel_bytes_per_rank():
+    shard = 1000  # one q/k/v shard; K and V are 2000 bytes
+    assert costs.context_parallel_bytes("ring", shard, 1) == 0
+    assert costs.context_parallel_bytes("ring", shard, 1, backward=True) == 0  # one rank sends nothing
+    assert costs.context_parallel_bytes("ring", shard, 4) == 3 * 2000  # 3 hops of K and V
+    assert costs.context_parallel_bytes("ring", shard, 4, backward=True) == 3 * 2000 + 4 * 2000  # + dK/dV home
+    # all-gather of K and V: (n-1)/n of the whole (n shards) = (n-1) shards, as a ring all-gather sends
+    assert costs.context_parallel_bytes("all_gather", shard, 4) == costs.bytes_moved_per_rank("all_gather", 4 * 2000, 4)
+    # Ulysses: 4 all-to-alls (q, k, v in; output out), each sending (n-1)/n of a shard
+    assert costs.context_parallel_bytes("ulysses", shard, 4) == pytest.approx(4 * 3 / 4 * shard)
+    assert costs.context_parallel_bytes("ulysses", shard, 4, backward=True) == pytest.approx(3000)
+    assert costs.context_parallel_bytes("ulysses", shard, 1) == 0
+    with pytest.raises(ValueError, match="unknown method 'rings'; valid: all_gather, ring, ulysses"):
+        costs.context_parallel_bytes("rings", shard, 2)
+    with pytest.raises(ValueError, match="shard_bytes"):
+        costs.context_parallel_bytes("ring", -1, 2)
+    with pytest.raises(ValueError, match="n .number of ranks. must be >= 1"):
+        costs.context_parallel_bytes("ring", shard, 0)

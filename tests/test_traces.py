@@ -247,8 +247,12 @@ def test_blocking_allreduce_is_exposed_and_the_step_is_compute_plus_comm(profile
         for s in ra.steps:
             assert s.comm_us > 500  # 4 MiB through gloo: at least half a millisecond, here
             assert s.overlap < 0.05
-            expected_ms = slept[s.step] + s.comm_us / 1e3
-            assert abs(s.duration_us / 1e3 - expected_ms) <= 3 + 0.1 * expected_ms, s
+            # A blocking all-reduce follows the sleep: the step holds both, one after the other. How much more
+            # it holds (a process descheduled on a busy machine: 10 ms seen at load 20) is no parser's doing,
+            # so only the lower bound is checked, and that the parts add up to the step.
+            assert s.duration_us / 1e3 >= slept[s.step] + s.comm_us / 1e3 - 1, s
+            assert s.compute_us / 1e3 >= slept[s.step] - 1, s  # the sleep is the step's compute
+            assert s.compute_us + s.exposed_comm_us + s.other_us == pytest.approx(s.duration_us), s
 
 
 def test_async_allreduce_overlaps_the_compute(sync, overlap):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 EXIT_CODES = {"ok": 0, "failed": 1, "timeout": 124, "stalled": 124, "interrupted": 130}
 # Modules that add their own subcommands with add_cli(subparsers), kept out of this file.
-PLUGINS = ("gpucourse.grading", "gpucourse.course", "gpucourse.slurm", "gpucourse.release")
+PLUGINS = ("gpucourse.grading", "gpucourse.course", "gpucourse.slurm", "gpucourse.release", "gpucourse.gpu_check")
 
 
 def _launch(args) -> int:
@@ -110,11 +110,12 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     """The exceptions that mean "the request was wrong": each says what was wrong and what to do."""
     from .course import CourseError
     from .exercises import ExerciseError
+    from .gpu_check import GpuCheckError
     from .launcher import LaunchConfigError
     from .release import ReleaseError
     from .slurm import SlurmConfigError
 
-    return UsageError, LaunchConfigError, ExerciseError, SlurmConfigError, CourseError, ReleaseError
+    return UsageError, LaunchConfigError, ExerciseError, SlurmConfigError, CourseError, ReleaseError, GpuCheckError
 
 
 def build_parser() -> argparse.ArgumentParser:

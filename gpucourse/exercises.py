@@ -11,6 +11,17 @@
 indentation, by `# YOUR CODE HERE` and `raise NotImplementedError("<hint>")`; everything else
 (docstrings stating the task and rules, imports, scaffolding) is kept as it is.
 
+A "fix the bug" exercise hands out working code with a mistake in it, not a stub. Its fences say what the
+learner gets instead of the fixed code, one `### BUGGY:` line per line of it (its indentation after the colon
+and one space, relative to the fence's):
+
+        ### BEGIN SOLUTION
+        ### BUGGY: rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        rows = slice(group * per_group, (group + 1) * per_group)
+        ### END SOLUTION
+
+becomes `rows = slice(rank * per_rank, (rank + 1) * per_rank)` in the exercise, unmarked: finding it is the task.
+
 Exercises are discovered by scanning `solutions/ex*.py` and `tests/graders/test_ex*.py`: a new
 chapter adds its files and needs no change here.
 """
@@ -23,7 +34,7 @@ from pathlib import Path
 
 from .paths import project_root
 
-BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
+BEGIN, END, HINT, BUGGY = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:", "### BUGGY:"
 DEFAULT_HINT = "write this part of the exercise (see the docstring)"
 NAME_RE = re.compile(r"^ex(\d{2})_\w+$")
 KEYWORD_TARGETS = ("exercises", "solutions")
@@ -175,24 +186,31 @@ def _quote(text: str) -> str:
 
 
 def render_exercise(source: str, filename: str = "<solution>") -> str:
-    """The exercise text of one solution: every BEGIN/END SOLUTION block replaced by a NotImplementedError stub."""
-    out, block_start, hint, indent = [], None, None, ""
+    """The exercise text of one solution: every BEGIN/END SOLUTION block replaced by a NotImplementedError stub,
+    or, for a block with `### BUGGY:` lines, by those lines (the code with the mistake the learner fixes)."""
+    out, block_start, hint, indent, buggy = [], None, None, "", []
     for lineno, line in enumerate(source.splitlines(keepends=True), 1):
         stripped = line.strip()
         if stripped.startswith(BEGIN):
             if block_start is not None:
                 raise ExerciseError(f"{filename}:{lineno}: BEGIN SOLUTION inside the block opened at line "
                                     f"{block_start}: close it with {END} first")
-            block_start, hint, indent = lineno, None, line[: len(line) - len(line.lstrip())]
+            block_start, hint, indent, buggy = lineno, None, line[: len(line) - len(line.lstrip())], []
         elif stripped.startswith(END):
             if block_start is None:
                 raise ExerciseError(f"{filename}:{lineno}: END SOLUTION without a BEGIN SOLUTION before it")
-            out += [f"{indent}# YOUR CODE HERE\n",
-                    f"{indent}raise NotImplementedError({_quote(hint or DEFAULT_HINT)})\n"]
+            if buggy and hint is not None:
+                raise ExerciseError(f"{filename}:{block_start}: a block with {BUGGY} lines hands out code, not a "
+                                    f"stub: it takes no {HINT}")
+            out += buggy or [f"{indent}# YOUR CODE HERE\n",
+                             f"{indent}raise NotImplementedError({_quote(hint or DEFAULT_HINT)})\n"]
             block_start = None
         elif block_start is not None:
             if stripped.startswith(HINT) and hint is None:
                 hint = stripped[len(HINT):].strip()
+            elif stripped.startswith(BUGGY):
+                code = stripped[len(BUGGY):].removeprefix(" ")
+                buggy.append(f"{indent}{code}\n" if code.strip() else "\n")
         else:
             out.append(line)
     if block_start is not None:
@@ -200,9 +218,11 @@ def render_exercise(source: str, filename: str = "<solution>") -> str:
     return "".join(out)
 
 
-def _header(solution: Path) -> str:
+def _header(solution: Path, source: str) -> str:
+    task = ("find and fix what the docstring describes" if BUGGY in source
+            else "fill in every `# YOUR CODE HERE`")
     return (f"# Generated from solutions/{solution.name} by `gpucourse make-exercises`: course authors edit the\n"
-            f"# solution, not this file. Learners: fill in every `# YOUR CODE HERE`, then `gpucourse grade "
+            f"# solution, not this file. Learners: {task}, then `gpucourse grade "
             f"{solution.stem.split('_')[0]}`.\n")
 
 
@@ -220,7 +240,8 @@ def generate_exercises(check: bool = False, solutions: Path | None = None,
     stale = []
     wanted = {}
     for name, src in solution_files(solutions).items():
-        wanted[exercises / f"{name}.py"] = _header(src) + render_exercise(src.read_text(), str(src))
+        text = src.read_text()
+        wanted[exercises / f"{name}.py"] = _header(src, text) + render_exercise(text, str(src))
     orphans = [p for p in solution_files(exercises).values()
                if p not in wanted and p.read_text(errors="replace").startswith("# Generated from solutions/")]
     for path, text in wanted.items():

@@ -197,3 +197,124 @@ class MemoryCalculator:
 def memory_calculator(**kwargs) -> MemoryCalculator:
     """The chapter 07 memory calculator (keyword arguments: starting values, see MemoryCalculator)."""
     return MemoryCalculator(**kwargs)
+
+
+# --- activations: what autograd keeps for backward, counted ---------------------------------------------------
+
+class SavedTensorBytes:
+    """Bytes of the tensors autograd keeps for backward during a forward pass, counted exactly, per layer.
+
+        with SavedTensorBytes(exclude=model.parameters(), layers=model.blocks) as saved:
+            loss = model(x, y)[1]          # count during forward; run backward after the block
+        saved.per_layer, saved.outside, saved.total
+
+    Every tensor an op saves for backward passes through torch.autograd.graph.saved_tensors_hooks; this counts the
+    bytes of its storage once (several ops saving one tensor, or views of it, hold that memory once). Parameters
+    are model states, not activations: their storages are excluded. Bytes are attributed to the layer whose
+    forward was running when the storage was first saved; `outside` is everything saved outside `layers`.
+    It works the same on CPU and GPU: it counts tensors, not an allocator.
+
+    Checkpointed layers (torch.utils.checkpoint, non-reentrant) save only their inputs through these hooks.
+    Selective checkpointing keeps the outputs its policy chose in a cache of its own, out of the hooks' sight: wrap
+    the policy with `recording(policy)` and those outputs are counted too.
+    """
+
+    def __init__(self, exclude=(), layers=()):
+        self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
+        self._layers = list(layers)
+        self._seen = {}        # storage address -> layer index (None: outside the layers)
+        self._bytes = {}       # layer index -> bytes
+        self._current = None
+        self._handles = []
+        self._hooks = None
+
+    def _record(self, tensor):
+        import torch
+
+        if not isinstance(tensor, torch.Tensor):
+            return
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        if address in self._excluded or address in self._seen:
+            return
+        self._seen[address] = self._current
+        self._bytes[self._current] = self._bytes.get(self._current, 0) + storage.nbytes()
+
+    def _pack(self, tensor):
+        self._record(tensor)
+        return tensor
+
+    def recording(self, policy):
+        """A selective-checkpoint policy that does what `policy` does and counts the outputs it decides to keep."""
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        def counted(ctx, op, *args, **kwargs):
+            decision = policy(ctx, op, *args, **kwargs)
+            if isinstance(decision, bool):  # torch accepts True/False for save/recompute as well
+                decision = CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
+            if not ctx.is_recompute and decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+                outputs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)
+                for out in outputs:
+                    self._record(out)
+            return decision
+
+        return counted
+
+    def _enter_layer(self, index):
+        def hook(module, args):
+            self._current = index
+        return hook
+
+    def _leave_layer(self, module, args, output):
+        self._current = None
+
+    def __enter__(self):
+        import torch
+
+        for i, layer in enumerate(self._layers):
+            self._handles.append(layer.register_forward_pre_hook(self._enter_layer(i)))
+            self._handles.append(layer.register_forward_hook(self._leave_layer))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._current = None
+        return False
+
+    @property
+    def per_layer(self) -> list[int]:
+        """Bytes saved while each of `layers` ran, in their order."""
+        return [self._bytes.get(i, 0) for i in range(len(self._layers))]
+
+    @property
+    def outside(self) -> int:
+        return self._bytes.get(None, 0)
+
+    @property
+    def total(self) -> int:
+        return sum(self._bytes.values())
+
+
+def transformer_layer_activation_bytes(s, b, h, a, *, bytes_per_element=2, dropout=True):
+    """Korthikanti et al. 2022 (section 4.1): activation bytes one transformer layer keeps for backward, without
+    recomputation or tensor parallelism, for sequence length s, micro-batch b, hidden size h and a heads.
+
+    With 16-bit activations and dropout, as the paper has it: s b h (34 + 5 a s / h). Per element of 16-bit
+    activations that is 16 s b h + a s^2 b (2 bytes each: layer norm inputs, q k v and output-projection inputs,
+    q and k, v, the softmax output, the MLP's inputs, 4 h wide in its middle) plus dropout's 1-byte masks
+    (2 s b h and a s^2 b) and the attention dropout's 16-bit output (a s^2 b). dropout=False keeps the first part
+    only, in bytes_per_element bytes: for float32 training, 4 (16 s b h + a s^2 b). Layer norm's per-token
+    statistics (a few s b) are left out, as in the paper.
+    """
+    elements = 16 * s * b * h + a * s * s * b
+    if not dropout:
+        return bytes_per_element * elements
+    if bytes_per_element != 2:
+        raise ValueError("Korthikanti's formula with dropout is for 16-bit activations (bytes_per_element=2); "
+                         "for other widths pass dropout=False (dropout masks are 1 byte whatever the dtype)")
+    return 2 * elements + (2 * s * b * h + a * s * s * b) + 2 * a * s * s * b

@@ -187,11 +187,17 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed % 2**32)
 
 
-def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: float | None = None) -> Context:
+def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: float | None = None,
+          cuda_with_gloo: bool = True) -> Context:
     """Join the job torchrun started: process group, device, seeds, watchdog. Returns the Context.
 
     seed: seeds python, numpy and torch with `seed + rank` (or `seed` on every rank if not seed_per_rank).
     timeout_s: collective timeout; short values turn a hang into a clear error (default: torch's).
+    cuda_with_gloo: with gloo on a machine with GPUs (more ranks than GPUs), put each rank on a GPU (True)
+    or keep it on the CPU (False). gloo runs all_reduce, broadcast and all_gather on CUDA tensors, but not
+    everything: on an H100 (torch 2.11, docs/gpu-check-2026-11-25.md) its send/recv failed on CUDA tensors
+    ("writev ... Bad address") and chapter 07's ZeRO/FSDP script died of SIGSEGV. Scripts that need those
+    pass False.
     """
     global _ctx
     if _ctx is not None:
@@ -207,7 +213,10 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
     atexit.unregister(wait_for_gloo_workers)  # once per process, however often setup() runs
     atexit.register(wait_for_gloo_workers)  # runs before finalization: see wait_for_gloo_workers
     backend = choose_backend(local_world)
-    device = torch.device("cuda", local_rank) if backend == "nccl" else _choose_device(backend, local_rank)
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+    else:
+        device = _choose_device(backend, local_rank) if cuda_with_gloo else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}

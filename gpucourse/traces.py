@@ -17,6 +17,9 @@ Two kinds of traces, told apart by whether they hold GPU kernels (`analysis.kind
               - an event that encloses a collective call (a "step" region around everything): it is a container,
                 only what is nested inside it counts.
             So `with record_function("compute"): time.sleep(0.05)` counts as 50 ms of compute.
+            Point-to-point is the exception: gloo records `gloo:send` / `gloo:recv` on the CALLER's thread,
+            from the isend/irecv to the transfer's end (it runs meanwhile, asynchronously): they are
+            communication, and the caller's work beside them is still compute (ring attention, pipelines).
 "gpu"       kernels (`cat: kernel`) whose name contains "nccl" are communication, all other kernels compute;
             memory copies and CPU-side work are "other". Steps are the GPU work launched inside each
             `ProfilerStep#N` (matched through the launch's correlation id). (HolisticTraceAnalysis also reads
@@ -46,6 +49,7 @@ STEP_PREFIX = "ProfilerStep#"
 CALLER_COMM_PREFIXES = ("c10d::", "_c10d_functional::", "record_param_comms", "gloo:", "nccl:")
 COMPUTE_CATS = ("cpu_op", "user_annotation")
 GPU_WORK_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+POINT_TO_POINT = ("gloo:send", "gloo:recv")  # recorded on the caller's thread, spanning the async transfer
 EPS_US = 1e-3  # kineto rounds to ns: a child may end 1 ns after its parent
 
 
@@ -257,11 +261,11 @@ def _encloses(outer: dict, starts: list[float], ends: list[float]) -> bool:
 def _cpu_intervals(spans) -> dict[str, list[Interval]]:
     """Compute and communication intervals of a CPU (gloo) trace; see the module docstring for the rules."""
     comm = [ev for ev in spans if ev["name"].startswith("gloo:")]
-    comm_threads = {(ev.get("pid"), ev.get("tid")) for ev in comm}
+    comm_threads = {(ev.get("pid"), ev.get("tid")) for ev in comm if ev["name"] not in POINT_TO_POINT}
     caller = [ev for ev in spans if (ev.get("pid"), ev.get("tid")) not in comm_threads]
     calls_by_thread: dict = {}
     for ev in caller:
-        if ev["name"].startswith(CALLER_COMM_PREFIXES):
+        if ev["name"].startswith(CALLER_COMM_PREFIXES) and ev["name"] not in POINT_TO_POINT:
             calls_by_thread.setdefault((ev.get("pid"), ev.get("tid")), []).append((ev["ts"], ev["end"]))
     index = {t: tuple(zip(*sorted(v))) for t, v in calls_by_thread.items()}  # thread -> (starts, ends)
     compute = []

@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--layers", type=int, default=2, help="blocks per stage")
     args = parser.parse_args()
-    ctx = runtime.setup(seed=0, seed_per_rank=False)
+    ctx = runtime.setup(seed=0, seed_per_rank=False, cuda_with_gloo=False)  # gloo's send/recv: CPU tensors only
     torch.set_num_threads(1)
     rank, p, L, m = ctx.rank, ctx.world_size, args.layers, args.micro
     full = make_model(p * L, args.width)

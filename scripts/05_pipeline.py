@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps per configuration; the last is profiled")
     args = parser.parse_args()
 
-    ctx = runtime.setup(seed=0, seed_per_rank=False)
+    ctx = runtime.setup(seed=0, seed_per_rank=False, cuda_with_gloo=False)  # gloo's send/recv: CPU tensors only
     torch.set_num_threads(1)
     # The first `tensor.backward(gradient)` of a process imports sympy (seconds here): not inside a step.
     torch.ones(2, requires_grad=True).mul(2).backward(torch.ones(2))

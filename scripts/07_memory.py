@@ -70,9 +70,9 @@ def held_tensors(obj, exclude, seen=None) -> list:
     return [t for item in items for t in held_tensors(item, exclude, seen)]
 
 
-def build(mode: str, args, impls):
+def build(mode: str, args, impls, device):
     """(model to call, optimizer, parameters this rank holds, function returning the full parameters)."""
-    net = make_model(args.width, args.depth)
+    net = make_model(args.width, args.depth).to(device)
     if mode in ("ddp", "zero1", "sharded"):
         model = DDP(net)
         params = list(net.parameters())
@@ -96,18 +96,24 @@ def build(mode: str, args, impls):
 
 
 def train(mode: str, args, impls, ctx, reference):
-    model, opt, params, full = build(mode, args, impls)
+    cuda = ctx.device.type == "cuda"
+    if cuda:  # on a GPU, also the allocator's own count: the peak this mode adds to what was already held
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held_before = torch.cuda.memory_allocated()
+    model, opt, params, full = build(mode, args, impls, ctx.device)
     gen = torch.Generator().manual_seed(1)
     per_rank = args.batch // ctx.world_size
     mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
     for _ in range(args.steps):
-        x = torch.randn(args.batch, args.width, generator=gen)
+        x = torch.randn(args.batch, args.width, generator=gen).to(ctx.device)
         loss = model(x[mine]).square().mean()
         opt.zero_grad()
         loss.backward()
         if mode == "fsdp":
             model.finish_gradient_synchronization()
         opt.step()
+    peak = torch.cuda.max_memory_allocated() - held_before if cuda else None  # before the checks copy anything
     exclude = {id(p) for p in params} | {id(p.grad) for p in params if p.grad is not None}
     state = held_tensors(opt, exclude)
     final = [t.detach().clone() for t in full()]
@@ -115,7 +121,8 @@ def train(mode: str, args, impls, ctx, reference):
     numel = sum(p.numel() for p in make_model(args.width, args.depth).parameters())
     runtime.log(mode=mode, num_params=numel, params=sum(nbytes(p) for p in params),
                 grads=sum(nbytes(p.grad) for p in params), optimizer=sum(nbytes(t) for t in state),
-                max_diff_vs_ddp=diff, impl=impls.get(f"{mode}_path"))
+                max_diff_vs_ddp=diff, impl=impls.get(f"{mode}_path"),
+                cuda_peak=peak)
     return final
 
 
@@ -141,7 +148,7 @@ def main() -> None:
     parser.add_argument("--sharded-impl", default=str(EXERCISES / "ex07_sharded_optimizer.py"))
     parser.add_argument("--fsdp-impl", default=str(EXERCISES / "ex07_fsdp.py"))
     args = parser.parse_args()
-    ctx = runtime.setup(seed=0)
+    ctx = runtime.setup(seed=0, cuda_with_gloo=False)  # sharing a GPU through gloo crashed (SIGSEGV) on an H100
     impls = load_impls(args)
     reference = None
     for mode in args.modes:

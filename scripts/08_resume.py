@@ -40,6 +40,7 @@ parser.add_argument("--resume-from", default=None, help="a checkpoint (.../stepN
 args = parser.parse_args()
 
 torch.use_deterministic_algorithms(True)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # on a GPU, cuBLAS is deterministic only so
 ctx = runtime.setup(seed=0, seed_per_rank=False)  # same initial model on every rank
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # 0, then 1 after the first restart
 if args.batch % ctx.world_size:
@@ -47,7 +48,7 @@ if args.batch % ctx.world_size:
 ckpt_dir = Path(args.ckpt_dir or ctx.run_dir / "checkpoints")
 latest = ckpt_dir / "latest"
 
-model = DDP(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)))
+model = DDP(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)).to(ctx.device))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 true_w = torch.linspace(-1, 1, 8)
 
@@ -58,7 +59,8 @@ def batch(step: int):
     x = torch.randn(args.batch, 8, generator=g)
     y = torch.tanh(x @ true_w).unsqueeze(1)
     per = args.batch // ctx.world_size  # whole global batch, no sample dropped: checked above
-    return x[ctx.rank * per:(ctx.rank + 1) * per], y[ctx.rank * per:(ctx.rank + 1) * per]
+    mine = slice(ctx.rank * per, (ctx.rank + 1) * per)
+    return x[mine].to(ctx.device), y[mine].to(ctx.device)
 
 
 def save(step: int) -> None:
@@ -123,5 +125,5 @@ for step in range(start, args.steps):
         save(step)
 
 if ctx.rank == 0:  # DDP keeps the replicas identical: rank 0's copy is the model
-    torch.save(model.module.state_dict(), ctx.run_dir / "final_params.pt")
+    torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, ctx.run_dir / "final_params.pt")
 runtime.teardown()

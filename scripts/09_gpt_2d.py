@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn import functional as F
 
-from gpucourse import runtime
+from gpucourse import costs, runtime
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "macbeth.txt"
 
@@ -129,11 +129,17 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def flops_per_token(model: GPT) -> float:
-    """nanoGPT's estimate (PaLM appendix B): 6 N for the matmuls of forward + backward, N = parameters
-    without the position embeddings, plus 12 L d T for attention's scores and weighted sums."""
-    n = sum(p.numel() for p in model.parameters()) - model.pos.weight.numel()
-    return 6 * n + 12 * len(model.blocks) * model.tok.embedding_dim * model.context
+def matmul_params(model: nn.Module) -> int:
+    """Parameters that take part in matrix products: the Linear weights (the output head included). Embedding
+    tables are looked up, not multiplied; biases and norms add no matrix products."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def flops_per_token(model: GPT, causal: bool = False) -> float:
+    """Model FLOPs per trained token, PaLM appendix B: 6 N + 12 L d T (gpucourse.costs.model_flops_per_token).
+    causal=True counts only the unmasked half of attention's work, the useful part of a causal model."""
+    return costs.model_flops_per_token(matmul_params(model), len(model.blocks), model.tok.embedding_dim,
+                                       model.context, causal=causal)
 
 
 # --- the 2D parallelization ----------------------------------------------------------------------------

@@ -111,3 +111,24 @@ def test_bad_sizes_get_a_clear_error(gpt, dp, tp, heads, batch, words):
     args = SimpleNamespace(dp=dp, tp=tp, heads=heads, d_model=64, batch=batch)
     with pytest.raises(ValueError, match=words):
         gpt.check_sizes(args, world_size=3 if words == "ranks" else dp * tp)
+
+
+@pytest.mark.parametrize("layers,d_model,heads,context,batch", [(2, 64, 4, 64, 3), (3, 48, 6, 40, 2)])
+def test_flops_per_token_is_what_flop_counter_mode_counts(gpt, layers, d_model, heads, context, batch):
+    """6 N + 12 L d T, per token, is exactly what torch's FlopCounterMode counts in one forward + backward of the
+    chapter's model, with attention computed by the math path (matmuls it sees). The counter ignores the causal
+    mask (it counts the full T x T scores), like PaLM's convention: causal=True is a different, smaller count."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    vocab = 65
+    model = gpt.GPT(vocab, context, d_model, heads, layers)
+    x, y = torch.randint(vocab, (batch, context)), torch.randint(vocab, (batch, context))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(x, y)[1].backward()
+    tokens = batch * context
+    assert counter.get_total_flops() == gpt.flops_per_token(model) * tokens
+    linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert gpt.flops_per_token(model) == 6 * linear_weights + 12 * layers * d_model * context  # by hand
+    assert gpt.flops_per_token(model, causal=True) == 6 * linear_weights + 6 * layers * d_model * (context + 1)

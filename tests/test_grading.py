@@ -83,6 +83,36 @@ def test_hint_quotes_are_escaped():
     assert str(err.value) == 'say "hi" \\ bye'
 
 
+def test_buggy_blocks_hand_out_their_code_unmarked():
+    """A "fix the bug" exercise (ex09): the block's ### BUGGY: lines, at the block's indentation plus their own,
+    replace the fixed code; no stub, no marker says where the bug is."""
+    src = textwrap.dedent('''\
+        def rows(rank, group, per):
+            start = 0
+            ### BEGIN SOLUTION
+            ### BUGGY: if rank:
+            ### BUGGY:     start = rank * per
+            start = group * per
+            ### END SOLUTION
+            return slice(start, start + per)
+        ''')
+    out = render_exercise(src)
+    assert out == ("def rows(rank, group, per):\n    start = 0\n    if rank:\n        start = rank * per\n"
+                   "    return slice(start, start + per)\n")
+    namespace = {}
+    exec(compile(out, "<exercise>", "exec"), namespace)
+    assert namespace["rows"](3, 1, 2) == slice(6, 8)  # the bug runs
+    with pytest.raises(ExerciseError, match="x.py:2: a block with ### BUGGY: lines hands out code, not a stub"):
+        render_exercise("def f():\n    ### BEGIN SOLUTION\n    ### HINT: h\n    ### BUGGY: return 1\n"
+                        "    return 2\n    ### END SOLUTION\n", "x.py")
+
+
+def test_the_generated_header_says_what_to_do():
+    texts = {name: (exercises.exercises_dir() / f"{name}.py").read_text() for name in exercises.solution_files()}
+    assert "find and fix what the docstring describes" in texts["ex09_fix_2d"]
+    assert "fill in every `# YOUR CODE HERE`" in texts["ex03_predict_scaling"]
+
+
 @pytest.mark.parametrize("src, where", [
     ("def f():\n    ### BEGIN SOLUTION\n    pass\n", "x.py:2: BEGIN SOLUTION is never closed"),
     ("def f():\n    ### END SOLUTION\n", "x.py:2: END SOLUTION without a BEGIN"),
@@ -410,3 +440,29 @@ def test_every_grader_gives_solutions_full_marks_and_untouched_exercises_zero(na
     assert solved.max_score > 0 and solved.score == solved.max_score, solved.table()
     untouched = grading.grade(name, "exercises")
     assert untouched.tests and [t.name for t in untouched.tests if t.score] == [], untouched.table()
+
+
+@pytest.mark.slow
+def test_ex09_untouched_shows_what_its_docstring_says(tmp_path, monkeypatch):
+    """ex09 hands out a buggy step, not a stub: what its docstring says the learner will see is what its jobs record.
+    The losses differ from one process at step 0 on every mesh, far beyond rounding; the two tp ranks of a group
+    return different losses (2x2, 1x2); the embedding and head differ between tp ranks (the init case)."""
+    monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(tmp_path))
+    report = grading.grade("ex09_fix_2d", "exercises")
+    assert report.tests and report.score == 0, report.table()
+    records = {}
+    for run in tmp_path.glob("grade-ex09-*"):
+        mesh = run.name.split("-")[2]
+        for path in (run / "metrics").glob("rank*.jsonl"):
+            for rec in map(json.loads, path.read_text().splitlines()):
+                if rec.get("case") in ("init", "train"):
+                    records.setdefault(mesh, {}).setdefault(rec["case"], {})[tuple(rec["coords"])] = rec
+    assert sorted(records) == ["1x2", "2x1", "2x2"], sorted(records)
+    for mesh, cases in records.items():
+        for rec in cases["train"].values():
+            assert abs(rec["losses"][0] - rec["expected_losses"][0]) > 1e-3, (mesh, rec)
+        if mesh != "2x1":
+            losses = {coords[1]: rec["losses"][0] for coords, rec in cases["train"].items() if coords[0] == 0}
+            assert losses[0] != losses[1], (mesh, losses)
+            init = cases["init"][(0, 1)]
+            assert init["max_diff"] > 1e-3 and init["worst"] in ("tok.weight", "head.weight"), (mesh, init)

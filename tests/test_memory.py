@@ -165,3 +165,90 @@ def test_dropdowns_are_wide_enough_for_their_longest_option():
         assert (dropdown.layout.width or "").endswith("px"), dropdown.layout.width  # None: 300 px from CSS
         width = int(dropdown.layout.width.removesuffix("px"))
         assert width >= description + 40 + 7 * longest, (dropdown.description, width, longest)
+
+
+# --- activations saved for backward, counted with saved-tensor hooks ---------------------------------------------
+
+def _mlp():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+
+
+def test_saved_bytes_of_a_small_mlp_by_hand():
+    import torch
+
+    from gpucourse.memory import SavedTensorBytes
+
+    model, x = _mlp(), torch.randn(4, 3)
+    with SavedTensorBytes(exclude=model.parameters(), layers=model) as saved:
+        model(x).sum().backward()
+    # Linear 1 keeps its input for its weight's gradient: 4 x 3 floats; ReLU keeps its output (4 x 5), which is
+    # also Linear 2's input: one storage, counted once, in the layer that saved it first. The weights (saved by
+    # both Linears for their input's gradient) are parameters: not activations.
+    assert saved.per_layer == [4 * 3 * 4, 4 * 5 * 4, 0]
+    assert saved.total == 4 * 3 * 4 + 4 * 5 * 4 and saved.outside == 0
+
+
+def test_saved_bytes_under_full_and_selective_checkpointing_by_hand():
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from gpucourse.memory import SavedTensorBytes
+
+    model, x = _mlp(), torch.randn(4, 3)
+    with SavedTensorBytes(exclude=model.parameters()) as saved:
+        out = checkpoint(model, x, use_reentrant=False)
+    out.sum().backward()
+    assert saved.total == 4 * 3 * 4  # full recomputation keeps only the checkpointed region's input
+
+    def save_matmuls(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    with SavedTensorBytes(exclude=model.parameters()) as saved:
+        context = functools.partial(create_selective_checkpoint_contexts, saved.recording(save_matmuls))
+        out = checkpoint(model, x, use_reentrant=False, context_fn=context)
+    out.sum().backward()
+    # the input, and the outputs of the two addmm (4 x 5 and 4 x 2) that the policy keeps; ReLU is recomputed
+    assert saved.total == 4 * 3 * 4 + 4 * 5 * 4 + 4 * 2 * 4
+
+
+def test_transformer_layer_counts_match_korthikanti_terms():
+    """A nanoGPT layer (chapter 09's) in float32 with attention on the math path (the scores materialised, as in
+    Korthikanti et al.'s setting), no dropout: 4 (16 s b h + a s^2 b) bytes per layer, plus layer norm's per-token
+    mean and 1/std (2 norms x 2 x s b floats), which the paper leaves out."""
+    import importlib.util
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from gpucourse.memory import SavedTensorBytes, transformer_layer_activation_bytes
+
+    from .conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpt_2d", ROOT / "scripts" / "09_gpt_2d.py")
+    gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt)
+    s, b, h, a, layers = 24, 3, 32, 4, 2
+    torch.manual_seed(0)
+    model = gpt.GPT(11, s, h, a, layers)
+    with sdpa_kernel(SDPBackend.MATH):
+        with SavedTensorBytes(exclude=model.parameters(), layers=model.blocks) as saved:
+            logits, _ = model(torch.randint(11, (b, s)))
+        logits.sum().backward()
+    by_hand = 4 * (16 * s * b * h + a * s * s * b) + 4 * (2 * 2 * s * b)
+    assert saved.per_layer == [by_hand] * layers
+    assert transformer_layer_activation_bytes(s, b, h, a, bytes_per_element=4, dropout=False) == by_hand - 16 * s * b
+
+
+def test_korthikanti_formula_as_published():
+    from gpucourse.memory import transformer_layer_activation_bytes
+
+    # sbh(34 + 5as/h), s = 2048, b = 1, h = 12288, a = 96 (GPT-3 175B's layer)
+    assert transformer_layer_activation_bytes(2048, 1, 12288, 96) == 2048 * 12288 * 34 + 5 * 96 * 2048 * 2048
+    assert transformer_layer_activation_bytes(4, 2, 8, 2, dropout=False) == 2 * (16 * 4 * 2 * 8 + 2 * 16 * 2)
+    with pytest.raises(ValueError, match="16-bit"):
+        transformer_layer_activation_bytes(4, 2, 8, 2, bytes_per_element=4)

@@ -97,6 +97,17 @@ def test_a_region_around_a_blocking_collective_is_not_compute(tmp_path):
     assert s.overlap == 0
 
 
+def test_point_to_point_on_the_callers_thread_is_comm_beside_its_compute(tmp_path):
+    # gloo records isend/irecv as gloo:send / gloo:recv on the caller's thread, spanning the asynchronous transfer
+    # [12,60]; the caller computes meanwhile ([15,35]) and then waits (Work.wait is not recorded): the caller's
+    # thread is not a communication thread, its matmul is compute, and the transfer is comm, 20 us of it hidden.
+    events = [step(0, 0, 100), ev("c10d::send", 10, 2), ev("gloo:send", 12, 48, cat="user_annotation"),
+              ev("c10d::recv_", 12, 1), ev("gloo:recv", 13, 47, cat="user_annotation"), ev("aten::mm", 15, 20),
+              ev("aten::add", 70, 10)]
+    (s,) = analyze_trace(write_trace(tmp_path / "rank0.json", events)).steps
+    assert (s.compute_us, s.comm_us, s.overlapped_comm_us, s.exposed_comm_us) == (30, 48, 20, 28)
+
+
 def test_a_functional_collective_wait_is_not_compute(tmp_path):
     # DTensor: issue the all-reduce [30,32], compute [32,50], then block in wait_tensor [50,79] until gloo ends
     events = [step(0, 0, 100), ev("_c10d_functional::all_reduce", 30, 2), ev("aten::mm", 32, 18),

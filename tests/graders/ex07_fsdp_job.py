@@ -22,15 +22,10 @@ Cases:
 import argparse
 import copy
 import functools
-import gc
-import time
-import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
@@ -41,7 +36,6 @@ STEPS = 3
 GLOBAL_BATCH = 8
 TOLERANCE = 1e-5
 BF16_TOLERANCE = 1e-2  # bf16 keeps ~3 significant digits: SGD steps from weights ~0.3 stay well within this
-RECHECKS, RECHECK_S = 5, 0.02  # a full-size tensor must stay alive this long (0.1 s) to count as kept
 WHY = "write the sharding yourself"
 FORBID = {"torch.distributed.fsdp:fully_shard": WHY, "torch.distributed.fsdp:FullyShardedDataParallel": WHY,
           "torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel": WHY,
@@ -75,47 +69,6 @@ def build(model: str) -> nn.Module:
         torch.manual_seed(4)
         return nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)])
     return mlp()
-
-
-class Allocations(TorchDispatchMode):
-    """Weak references to every tensor of at least min_numel elements that an op creates while active."""
-
-    def __init__(self, min_numel: int):
-        super().__init__()
-        self.min_numel, self.refs = min_numel, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.numel() >= self.min_numel:
-                self.refs.append(weakref.ref(t))
-        return out
-
-    def alive_bytes(self, exclude=()) -> int:
-        """Bytes of the storages still alive among those tensors (each storage once), except `exclude`'s.
-
-        A collective's buffer stays referenced by gloo's worker thread until that thread has finished with the
-        work, which can be after wait() returned: wait for gloo's workers to go idle first; what is alive is
-        then asked again, a few times, before it counts."""
-        runtime.wait_for_gloo_workers()
-        for _ in range(RECHECKS):
-            alive = self._alive_bytes(exclude)
-            if not alive:
-                return 0
-            time.sleep(RECHECK_S)
-        return alive
-
-    def _alive_bytes(self, exclude=()) -> int:
-        gc.collect()
-        skip = {t.untyped_storage().data_ptr() for t in exclude if t is not None}
-        seen = {}
-        for ref in self.refs:
-            t = ref()
-            if t is not None:
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in skip and storage.nbytes() > 0:
-                    seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
 
 
 # --- the cases ----------------------------------------------------------------------------------------
@@ -178,7 +131,7 @@ def case_memory(FSDP, guard):
     opt = torch.optim.AdamW(shards, lr=1e-2)
     records = {}
     for step in range(2):
-        allocs = Allocations(min_numel=128 * 128)  # one full weight
+        allocs = jobkit.Allocations(min_numel=128 * 128)  # one full weight
         opt.zero_grad()
         with guard.watching(), allocs:
             loss = loss_fn(fsdp(x[rank * local:(rank + 1) * local]), y[rank * local:(rank + 1) * local])

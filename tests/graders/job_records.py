@@ -23,8 +23,9 @@ REPORT_SLACK = 2
 
 
 class JobRecords:
-    def __init__(self, result, world: int):
+    def __init__(self, result, world: int, label: str | None = None):
         self.result, self.world = result, world
+        self.label = label or f"{world} rank(s)"  # how a failure names the job
         self.records: dict[str, dict[int, dict]] = {}
         for rank, records in result.metrics.items():
             for rec in records:
@@ -44,7 +45,7 @@ class JobRecords:
     def cases(self, group: str | None = None) -> list[str]:
         """The cases this job planned (of one group, or all), or fail with why the job never planned any."""
         if not self.plan:
-            pytest.fail(f"{self.world} rank(s): {self.why_stopped()}", pytrace=False)
+            pytest.fail(f"{self.label}: {self.why_stopped()}", pytrace=False)
         return [case for case, g in self.plan.items() if group in (None, g)]
 
     def ranks(self, case: str) -> list[dict]:
@@ -64,22 +65,28 @@ class JobRecords:
 
 
 def launch_jobs(job_file, submission, world_sizes, *, name: str, case_limit: float, timeout: float,
-                stall_timeout: float, env: dict | None = None, extra_args=()) -> dict[int, JobRecords]:
+                stall_timeout: float, env: dict | None = None, extra_args=()) -> dict:
     """{world size: JobRecords}: the grading job launched once per world size, side by side (their start-up
-    waits overlap on two cores). `name` may hold `{world}`; the job gets the submission, --case-limit and
-    extra_args."""
+    waits overlap on two cores). `name` may hold `{world}` (and `{key}`); the job gets the submission,
+    --case-limit and extra_args.
+
+    Jobs of one world size that differ otherwise (ex09's 2x1 and 1x2 meshes) are given as a dict instead,
+    {key: (world size, that job's own extra args)}, and come back as {key: JobRecords} labelled by their key.
+    """
 
     if os.environ.get(TIMING_ENV) == "report":
         case_limit, timeout, stall_timeout = (REPORT_SLACK * t for t in (case_limit, timeout, stall_timeout))
+    jobs = world_sizes if isinstance(world_sizes, dict) else {w: (w, ()) for w in world_sizes}
 
-    def run(world: int) -> JobRecords:
-        args = [str(submission), "--case-limit", str(case_limit), *extra_args]
-        result = launch(job_file, nproc=world, args=args, name=name.format(world=world), timeout=timeout,
+    def run(key) -> JobRecords:
+        world, own = jobs[key]
+        args = [str(submission), "--case-limit", str(case_limit), *extra_args, *own]
+        result = launch(job_file, nproc=world, args=args, name=name.format(world=world, key=key), timeout=timeout,
                         stall_timeout=stall_timeout, env=env, check=False, live=False)
-        return JobRecords(result, world)
+        return JobRecords(result, world, f"{key} mesh" if isinstance(world_sizes, dict) else None)
 
-    with ThreadPoolExecutor(len(world_sizes)) as pool:
-        return dict(zip(world_sizes, pool.map(run, world_sizes)))
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return dict(zip(jobs, pool.map(run, jobs)))
 
 
 def check(jobs, cases, problem, worlds=None) -> None:
@@ -101,7 +108,7 @@ def check(jobs, cases, problem, worlds=None) -> None:
                     found.append((bool(rec.get("peer_lost")), rec.get("rank", 0), why))
             if found:
                 _, rank, why = min(found)
-                failures.append(f"{job.world} rank(s), " * several + f"{case}, rank {rank}: {why}")
+                failures.append(f"{job.label}, " * several + f"{case}, rank {rank}: {why}")
     if failures:
         more = f" (and {len(failures) - 1} more failing case(s))" if len(failures) > 1 else ""
         pytest.fail(failures[0] + more, pytrace=False)

@@ -11,6 +11,7 @@ A job's main: runtime.setup(), `log = record_writer()`, its Guard (on comm_recor
 `import_or_exit` (the "import" record, or the module), `run_cases` (one record per case, then "done").
 """
 import contextlib
+import gc
 import importlib
 import importlib.util
 import io
@@ -22,14 +23,18 @@ import threading
 import time
 import traceback
 import types
+import weakref
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from gpucourse import runtime
 from gpucourse.contract import metrics_file
 
 OUTPUT_BUDGET = 10_000  # characters of the submission's own output kept per rank
+RECHECKS, RECHECK_S = 5, 0.02  # an allocation must stay alive this long (0.1 s) to count as kept
 GLOO_WHERE = re.compile(r"\[[^\]]*third_party/gloo[^\]]*\] ")  # gloo's source path in its error messages
 
 
@@ -233,6 +238,53 @@ class Watchdog:
                             error=f"did not finish within {self.limit:g} s: {self.reason}")
                 sys.__stdout__.flush()
                 os._exit(3)
+
+
+class Allocations(TorchDispatchMode):
+    """Weak references to every tensor of at least min_numel elements that an op creates while active.
+
+    What a submission keeps is then what is still alive afterwards, however it keeps it (saved for backward,
+    stashed on ctx or on a module, a received buffer held on to): graders of memory rules ask `alive_bytes`."""
+
+    def __init__(self, min_numel: int = 1):
+        super().__init__()
+        self.min_numel, self.refs = min_numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.min_numel:
+                self.refs.append(weakref.ref(t))
+        return out
+
+    def alive_bytes(self, exclude=(), within: int = 0) -> int:
+        """Bytes of the storages still alive among those tensors (each storage once), except `exclude`'s.
+
+        A collective's buffer stays referenced by gloo's worker thread until that thread has finished with the
+        work, which can be after wait() returned: wait for gloo's workers to go idle first; what is alive is
+        then asked again, a few times, before it counts (the smallest of the answers). An answer of at most
+        `within` bytes (what the grader allows) is final at once."""
+        runtime.wait_for_gloo_workers()
+        alive = None
+        for _ in range(RECHECKS):
+            now = self._alive_bytes(exclude)
+            alive = now if alive is None else min(alive, now)
+            if alive <= within:
+                return alive
+            time.sleep(RECHECK_S)
+        return alive
+
+    def _alive_bytes(self, exclude=()) -> int:
+        gc.collect()
+        skip = {t.untyped_storage().data_ptr() for t in exclude if t is not None}
+        seen = {}
+        for ref in self.refs:
+            t = ref()
+            if t is not None:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in skip and storage.nbytes() > 0:
+                    seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
 
 
 class TiedLM(torch.nn.Module):

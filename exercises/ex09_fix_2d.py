@@ -1,0 +1,119 @@
+# Generated from solutions/ex09_fix_2d.py by `gpucourse make-exercises`: course authors edit the
+# solution, not this file. Learners: find and fix what the docstring describes, then `gpucourse grade ex09`.
+"""Exercise 09: fix a training step on a 2D mesh (data parallel x tensor parallel).
+
+The story
+---------
+A colleague took a data-parallel training script that worked (chapter 02's recipe) and added tensor
+parallelism on a 2D mesh, as chapter 09 does: `mesh["tp"]` splits every MLP block Megatron-style (`fc`
+column-parallel, `proj` row-parallel, through `parallelize_module`), `mesh["dp"]` averages the gradients. The
+code below is theirs. It runs without an error at every mesh shape, but it does not compute what one
+process computes on the whole batch:
+
+- on a 2x2 mesh, a 1x2 mesh (tensor parallel only) and a 2x1 mesh (data parallel only), the losses differ
+  from the one-process losses from the very first step, by far more than float rounding (which stays around
+  1e-7), and so do the trained parameters;
+- on the 2x2 and 1x2 meshes, the two ranks of one tp group return different losses for the same step;
+- the embedding and the output head, which tensor parallelism leaves whole on every rank, are not the same on
+  the ranks of one tp group.
+
+Two mistakes, each in code that was right in the data-parallel script it came from, are wrong on a 2D mesh.
+Find them and fix them (chapter 09, section 2, says what each rank must hold and which rows it must see).
+Nothing else needs to change.
+
+The contract (what `gpucourse grade ex09` checks)
+-------------------------------------------------
+The job makes the mesh, `init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))`, then calls:
+
+- `build_model(mesh, *, vocab, seed)`: returns the `TinyLM(vocab)` it built, tensor-parallel over
+  `mesh["tp"]`, starting from exactly the weights `torch.manual_seed(seed); TinyLM(vocab)` gives one process
+  (whatever the random state before the call, on every rank).
+- `train_step(model, optimizer, x, y, mesh)`: one optimizer step. `x`, `y` are the GLOBAL batch (token ids and
+  next-token targets, shape (batch, context)), the same on every rank. The ranks of one tp group (one model
+  replica) all train on the same rows; dp group g (`mesh["dp"].get_local_rank() == g`) trains on rows
+  `g * batch/dp ... (g + 1) * batch/dp`; the gradients are averaged over `mesh["dp"]`. Returns the mean
+  loss over the whole global batch, the same float on every rank.
+
+Graded by equality with one process: the job trains `TinyLM` with SGD (momentum) for a few steps on 2x2, 2x1
+and 1x2 meshes and compares, after `build_model` and after every step, with one process training on the whole
+batch: the initial weights, each step's loss and the final parameters (DTensors gathered with full_tensor())
+must agree within float tolerance. It also records which rows each rank fed the model.
+"""
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn import functional as F
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm MLP block: x + proj(gelu(fc(ln(x)))); fc is split by columns, proj by rows under TP."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model)
+        self.fc, self.proj = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+class TinyLM(nn.Module):
+    """Chapter 09's GPT without attention: token embedding, MLP blocks, LayerNorm, output head. The embedding,
+    LayerNorms and head stay whole (replicated) on every tp rank; each block's fc and proj are split."""
+
+    def __init__(self, vocab: int, d_model: int = 32, layers: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.blocks = nn.ModuleList(Block(d_model) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build_model(mesh, *, vocab: int, seed: int) -> TinyLM:
+    """TinyLM(vocab) from `seed`, its blocks tensor-parallel over mesh["tp"] (fc by columns, proj by rows)."""
+    torch.manual_seed(seed + dist.get_rank())  # each rank its own seed, as runtime.setup(seed=...) does
+    model = TinyLM(vocab)
+    plan = {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], plan)
+    return model
+
+
+def sync_gradients(model: nn.Module, mesh) -> None:
+    """Average every gradient over mesh["dp"] (a DTensor's local shard: the tp ranks' shards stay apart)."""
+    group, size = mesh["dp"].get_group(), mesh["dp"].size()
+    for p in model.parameters():
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(grad, group=group)
+            grad /= size
+
+
+def global_loss(loss: torch.Tensor, mesh) -> float:
+    """The mean loss over the global batch: the dp groups' means averaged over mesh["dp"] (equal-sized slices)."""
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=mesh["dp"].get_group())
+    return (mean / mesh["dp"].size()).item()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, mesh) -> float:
+    """One step on this rank's rows of the global batch (x, y); returns the global batch's mean loss."""
+    if x.shape[0] % mesh["dp"].size():
+        raise ValueError(f"the global batch has {x.shape[0]} rows, not a multiple of the dp size "
+                         f"{mesh['dp'].size()}: each dp group takes an equal slice")
+    per_rank = x.shape[0] // dist.get_world_size()  # each rank its share of the global batch
+    rows = slice(dist.get_rank() * per_rank, (dist.get_rank() + 1) * per_rank)
+    logits = model(x[rows])
+    loss = F.cross_entropy(logits.flatten(0, 1), y[rows].flatten())
+    optimizer.zero_grad()
+    loss.backward()
+    sync_gradients(model, mesh)
+    optimizer.step()
+    return global_loss(loss, mesh)

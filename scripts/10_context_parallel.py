@@ -1,0 +1,317 @@
+"""Chapter 10: attention over a sequence split across ranks, three ways, each checked against SDPA on the whole sequence.
+
+    10_context_parallel.py --impl exercises/ex10_ring_attention.py [--seq 1024 --heads 4 ...]
+
+Every rank builds the same full q, k, v (batch, heads, seq, head_dim) and upstream gradient from a fixed seed,
+computes F.scaled_dot_product_attention on the WHOLE sequence in float64 as the reference, and keeps its shard of
+the sequence in the zig-zag layout (the impl's shard_sequence: chunks r and 2N-1-r of 2N). Then, causal and not:
+  all_gather  all-gather K and V (the whole sequence's on every rank), attend, reduce-scatter dK/dV in backward
+  ring        ring_attention from --impl (exercise ex10; the reference solution stands in while the exercise
+              raises NotImplementedError): K/V blocks passed around the ring with isend/irecv
+  ulysses     all-to-all from sequence-split to head-split (each rank: H/N heads, whole sequence), attend,
+              all-to-all back (DeepSpeed-Ulysses); needs heads divisible by N
+Each case ASSERTS that its output and q/k/v gradients equal the reference's shard (float32 tolerance), and logs
+the bytes this rank addressed to other ranks (forward, backward), what the forward left for backward (bytes of
+tensors saved by autograd), and the times. Also:
+  balance     causal attention of this rank's queries against the whole sequence, chunk block by chunk block,
+              skipping blocks wholly in the future: (query, key) pairs and time per rank, contiguous vs zig-zag
+  mistake     ring attention with the causal mask of each block's LOCAL positions (is_causal on every block)
+  torch_cp    torch.distributed.tensor.experimental.context_parallel around SDPA (on CUDA): its error against
+              the reference; everywhere: which SDPA ops it handles, and whether the CPU's is one of them
+  profile     a few ring-attention steps (forward + backward) under the profiler: traces/rank<r>.json
+"""
+import argparse
+import importlib.util
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from gpucourse import runtime
+
+TOLERANCE = 1e-4  # float32 against float64: attention over up to a few thousand keys rounds to ~1e-6
+SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "ex10_ring_attention.py"
+SENT = {"bytes": 0}  # bytes this rank addressed to other ranks, counted at each call
+
+
+# --- counting what is sent ------------------------------------------------------------------------------------
+def count_point_to_point_sends() -> None:
+    """Every point-to-point send ends in ProcessGroup.send (isend, batch_isend_irecv): count its tensors' bytes."""
+    from torch._C._distributed_c10d import ProcessGroup
+
+    original = ProcessGroup.send
+
+    def send(self, tensors, *args, **kwargs):
+        SENT["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+        return original(self, tensors, *args, **kwargs)
+
+    ProcessGroup.send = send
+
+
+def load_impl(path: str):
+    """The learner's ring attention, or the reference solution while it is not written yet."""
+    def load(p):
+        spec = importlib.util.spec_from_file_location("ring_impl", p)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    impl, device = load(path), runtime.context().device
+    try:  # every rank at once: the ring's messages meet
+        impl.shard_sequence(torch.zeros(1, 1, 2, 1, device=device), 0, 1)
+        impl.ring_attention(*(torch.zeros(1, 1, 2, 1, device=device) for _ in range(3)))
+        return impl, "yours"
+    except NotImplementedError:
+        return load(SOLUTION), "reference solution (the exercise is not written yet)"
+
+
+# --- way 1: all-gather K/V --------------------------------------------------------------------------------------
+class GatherSequence(torch.autograd.Function):
+    """Forward: every rank's shard, stacked in rank order (all-gather). Backward: reduce-scatter of the gradient:
+    this rank's shard gets the sum of every rank's gradient for it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        n = dist.get_world_size()
+        out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # shards along dim 0
+        dist.all_gather_into_tensor(out, x.contiguous())
+        SENT["bytes"] += (n - 1) * x.numel() * x.element_size()  # a ring all-gather forwards n-1 shards
+        return out.view(n, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = grad.shape[0]
+        mine = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)  # (2, B, H, S/n, D): dK, dV
+        dist.reduce_scatter_tensor(mine, grad.reshape(n * grad.shape[1], *grad.shape[2:]).contiguous())
+        SENT["bytes"] += (n - 1) * mine.numel() * mine.element_size()
+        return mine
+
+
+def attend(q, k, v, q_pos, k_pos, causal):
+    """Plain attention of q against k/v with positions given: the causal mask is GLOBAL (q_pos >= k_pos)."""
+    mask = (q_pos[:, None] >= k_pos[None, :]) if causal else None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def all_gather_attention(q, k, v, positions, causal):
+    n = dist.get_world_size()
+    kv = GatherSequence.apply(torch.stack([k, v]))  # (n, 2, B, H, S_l, D): the whole sequence's K and V
+    k_all = torch.cat(list(kv[:, 0]), dim=2)
+    v_all = torch.cat(list(kv[:, 1]), dim=2)
+    return attend(q, k_all, v_all, positions[dist.get_rank()], torch.cat([positions[r] for r in range(n)]), causal)
+
+
+# --- way 3: all-to-all over heads (Ulysses) -----------------------------------------------------------------------
+def all_to_all(x: torch.Tensor) -> torch.Tensor:
+    """x (n, ...): part j goes to rank j; returns (n, ...) with part j from rank j."""
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous())
+    SENT["bytes"] += (x.shape[0] - 1) * x[0].numel() * x.element_size()  # all parts but our own
+    return out
+
+
+class SequenceToHeads(torch.autograd.Function):
+    """(B, H, S/n, D) sequence-split → (B, H/n, S, D) head-split (the sequence in rank order). Backward: the inverse."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return seq_to_heads(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return heads_to_seq(grad)
+
+
+class HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return heads_to_seq(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return seq_to_heads(grad)
+
+
+def seq_to_heads(x):
+    n = dist.get_world_size()
+    b, h, s, d = x.shape
+    parts = all_to_all(x.reshape(b, n, h // n, s, d).transpose(0, 1))  # part j: head group j
+    return torch.cat(list(parts), dim=2)  # rank j's sequence shard j, in rank order
+
+
+def heads_to_seq(y):
+    n = dist.get_world_size()
+    parts = all_to_all(torch.stack(y.chunk(n, dim=2)))  # part j: rank j's sequence shard
+    return torch.cat(list(parts), dim=1)  # head groups back in order
+
+
+def ulysses_attention(q, k, v, positions, causal):
+    n = dist.get_world_size()
+    qh, kh, vh = (SequenceToHeads.apply(t) for t in (q, k, v))
+    order = torch.cat([positions[r] for r in range(n)])  # the sequence as the all-to-all assembled it
+    if not causal:
+        return HeadsToSequence.apply(F.scaled_dot_product_attention(qh, kh, vh))
+    to_global = torch.argsort(order)  # the whole sequence is here: put it in order, and causal is the plain triangle
+    out = F.scaled_dot_product_attention(*(t[:, :, to_global] for t in (qh, kh, vh)), is_causal=True)
+    return HeadsToSequence.apply(out[:, :, torch.argsort(to_global)])
+
+
+# --- running one way and checking it ----------------------------------------------------------------------------
+def saved_bytes(run):
+    """run() under saved_tensors_hooks: (its result, bytes of the tensors autograd saved for backward, each
+    storage once)."""
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, sum(storages.values())
+
+
+def sync():
+    """Wait for the GPU's queued work before reading a clock (nothing to wait for on a CPU)."""
+    if torch.cuda.is_available() and runtime.context().device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def check_case(name, fn, inputs, want, causal):
+    q, k, v, grad = inputs
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    dist.barrier()
+    SENT["bytes"] = 0
+    start = time.perf_counter()
+    out, saved = saved_bytes(lambda: fn(*leaves, causal))
+    sync()
+    forward_s, forward_bytes = time.perf_counter() - start, SENT["bytes"]
+    SENT["bytes"] = 0
+    start = time.perf_counter()
+    out.backward(grad)
+    sync()
+    backward_s, backward_bytes = time.perf_counter() - start, SENT["bytes"]
+    errors = {label: (got.double() - w).abs().max().item()
+              for label, got, w in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), want)}
+    bad = {label: e for label, e in errors.items() if not e <= TOLERANCE}
+    assert not bad, f"{name} (causal={causal}) differs from SDPA on the whole sequence: {bad}"
+    runtime.log(case=name, causal=causal, errors=errors, forward_bytes=forward_bytes, backward_bytes=backward_bytes,
+                saved_bytes=saved, shard_bytes=q.numel() * q.element_size(), forward_s=forward_s,
+                backward_s=backward_s)
+
+
+# --- causal balance: the work of each rank, contiguous vs zig-zag -------------------------------------------------
+def causal_work(q, k, v, chunks, n):
+    """This rank's queries (chunks `chunks` of 2n) against the whole sequence's keys, block by block, causal:
+    blocks wholly in the future skipped. (query, key) pairs that count, and seconds."""
+    qc, kc, vc = (t.chunk(2 * n, dim=2) for t in (q, k, v))
+    pairs, start = 0, time.perf_counter()
+    for a in chunks:
+        for b in range(a + 1):  # key chunks up to the query chunk's own
+            F.scaled_dot_product_attention(qc[a], kc[b], vc[b], is_causal=a == b)
+            c = qc[a].shape[2]
+            pairs += c * (c + 1) // 2 if a == b else c * c
+    sync()
+    return pairs, time.perf_counter() - start
+
+
+# --- PyTorch's own: context_parallel ---------------------------------------------------------------------------
+def torch_context_parallel(q, k, v, want_out):
+    """SDPA under torch.distributed.tensor.experimental.context_parallel (no mask), then unsharded: its error
+    against the reference. It replaces only the CUDA attention kernels (flash, efficient, cuDNN) with its ring
+    attention; on a CPU, SDPA calls another op, so only the check of which ops it handles runs here."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    handled = sorted(str(op) for op in _attention.custom_ops)
+    cpu_op = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    record = {"handled": handled, "cpu_op": cpu_op, "cpu_op_handled": cpu_op in handled}
+    if runtime.context().device.type != "cuda":
+        return {**record, "ran": False}
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))  # the flash kernel takes half precision
+    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        out = F.scaled_dot_product_attention(q, k, v)
+    (full,) = context_parallel_unshard(mesh, [out], [2])
+    return {**record, "ran": True, "error": (full.double().cpu() - want_out).abs().max().item()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", default=str(SOLUTION))
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--profile-steps", type=int, default=3)
+    args = parser.parse_args()
+    ctx = runtime.setup(seed=0)
+    n, rank = ctx.world_size, ctx.rank
+    if args.seq % (2 * n):
+        raise ValueError(f"--seq {args.seq} is not divisible by 2 × world size = {2 * n}: the zig-zag layout cuts "
+                         f"the sequence into 2N equal chunks")
+    count_point_to_point_sends()
+    impl, which = load_impl(args.impl)
+    runtime.log(case="impl", impl=which)
+
+    gen = torch.Generator().manual_seed(0)
+    shape = (args.batch, args.heads, args.seq, args.head_dim)
+    full = [torch.randn(shape, generator=gen, dtype=torch.float64).to(ctx.device) for _ in range(4)]  # q, k, v, grad
+    positions = {r: impl.shard_sequence(torch.arange(args.seq, device=ctx.device).view(1, 1, -1, 1), r, n).flatten()
+                 for r in range(n)}
+    mine = [impl.shard_sequence(t, rank, n).float() for t in full]
+
+    ways = {"all_gather": lambda q, k, v, c: all_gather_attention(q, k, v, positions, c),
+            "ring": lambda q, k, v, c: impl.ring_attention(q, k, v, causal=c)}
+    if args.heads % n == 0:
+        ways["ulysses"] = lambda q, k, v, c: ulysses_attention(q, k, v, positions, c)
+    else:
+        runtime.log(case="ulysses-skipped", why=f"{args.heads} heads are not divisible by {n} ranks")
+    for causal in (False, True):
+        leaves = [t.clone().requires_grad_() for t in full[:3]]
+        out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+        out.backward(full[3])
+        want = [impl.shard_sequence(t.detach(), rank, n) for t in (out, *(t.grad for t in leaves))]
+        for name, fn in ways.items():
+            check_case(name, fn, mine, want, causal)
+
+    # causal balance: the same work done per rank by each layout
+    qf, kf, vf = (t.float() for t in full[:3])
+    for layout, chunks in (("contiguous", (2 * rank, 2 * rank + 1)), ("zigzag", (rank, 2 * n - 1 - rank))):
+        causal_work(qf, kf, vf, chunks, n)  # warm-up
+        timed = []
+        for _ in range(5):  # every rank starts together; the fastest of 5 is the least disturbed by the others
+            dist.barrier()
+            timed.append(causal_work(qf, kf, vf, chunks, n))
+        pairs, seconds = timed[0][0], min(t for _, t in timed)
+        runtime.log(case="balance", layout=layout, chunks=list(chunks), pairs=pairs, seconds=seconds)
+
+    # the common mistake: the causal triangle of each block's local positions (is_causal on every block)
+    right = impl.block_kind if hasattr(impl, "block_kind") else None
+    if right is not None:
+        impl.block_kind = lambda q_chunk, k_chunk, causal: "diagonal" if causal else "full"
+        wrong = impl.ring_attention(*(t.clone() for t in mine[:3]), causal=True)
+        impl.block_kind = right
+        leaves = [t.clone() for t in full[:3]]
+        want_out = impl.shard_sequence(F.scaled_dot_product_attention(*leaves, is_causal=True), rank, n)
+        runtime.log(case="mistake", error=(wrong.double() - want_out).abs().max().item())
+
+    runtime.log(case="torch_cp", **torch_context_parallel(*full[:3], F.scaled_dot_product_attention(*full[:3])))
+
+    # a few ring-attention steps under the profiler: the K/V exchange beside the block computations
+    leaves = [t.clone().requires_grad_() for t in mine[:3]]
+    with runtime.profile(wait=1, warmup=1, active=args.profile_steps, name="ring") as prof:
+        for _ in range(2 + args.profile_steps):
+            impl.ring_attention(*leaves, causal=True).backward(mine[3])
+            prof.step()
+    runtime.teardown()
+
+
+if __name__ == "__main__":
+    main()

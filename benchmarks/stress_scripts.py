@@ -40,6 +40,7 @@ TRAINING_SCRIPTS = {
     "08_resume": lambda w: ["--steps", "10", "--ckpt-every", "5"],
     "09_gpt_2d": lambda w: ["--dp", str(max(1, w // 2)), "--tp", str(min(w, 2)), "--steps", "5", "--layers", "1",
                             "--eval-batches", "1", "--sample", "0"],
+    "11_moe": lambda w: ["--router", "learned", "skewed", "--capacity-factor", "1.0", "1.25"],
 }
 
 

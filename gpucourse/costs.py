@@ -510,3 +510,36 @@ def context_parallel_bytes(method, shard_bytes, n, *, backward=False):
     if method == "ring":
         return (n - 1) * kv + (n * kv if backward and n > 1 else 0)  # one rank sends nothing
     return 4 * bytes_moved_per_rank("all_to_all", shard_bytes, n)
+
+
+# --- chapter 11: mixture of experts and expert parallelism -------------------------------------------------
+# (a block of its own: chapter 10's context-parallel volumes live in theirs)
+
+def moe_capacity(tokens, top_k, num_experts, capacity_factor):
+    """Expert capacity: the most (token, choice) assignments one expert accepts from one rank's `tokens`.
+
+    Switch Transformer (Fedus et al. 2021): tokens / experts x capacity factor, with top-k routing k assignments
+    per token. Rounded up; a factor of 1.0 leaves no room for any imbalance, 1.25 is the paper's usual choice.
+    """
+    for value, name in ((tokens, "tokens"), (top_k, "top_k"), (num_experts, "num_experts")):
+        _require(isinstance(value, int) and value >= 1, f"{name} must be a whole number >= 1, got {value!r}")
+    _require(top_k <= num_experts, f"top_k={top_k} cannot exceed num_experts={num_experts}")
+    _require(capacity_factor > 0, f"capacity_factor must be > 0, got {capacity_factor}")
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+
+
+def expert_parallel_all_to_all_bytes(tokens, top_k, hidden, n, bytes_per_value=2, kept_fraction=1.0):
+    """Bytes one rank sends to the OTHER ranks in one all-to-all of an expert-parallel MoE layer, routing uniform.
+
+    A rank's tokens x top_k assignments, of which `kept_fraction` survive the capacity, each a row of `hidden`
+    values; with experts spread evenly over `n` ranks and routing uniform, (n-1)/n of the rows go to other ranks
+    (the rest stay on this rank). The dispatch's buffer is tokens x top_k x kept_fraction x hidden x bytes; the
+    combine sends the same back, and backward repeats both: 4 such all-to-alls per layer per step. Skewed
+    routing moves a different amount per rank: count it (the chapter does).
+    """
+    for value, name in ((tokens, "tokens"), (top_k, "top_k"), (hidden, "hidden")):
+        _check_nonneg(value, name)
+    _require(isinstance(n, int) and n >= 1, f"n (number of ranks) must be a whole number >= 1, got {n!r}")
+    _require(bytes_per_value > 0, f"bytes_per_value must be > 0, got {bytes_per_value}")
+    _require(0 <= kept_fraction <= 1, f"kept_fraction must be between 0 and 1, got {kept_fraction}")
+    return tokens * top_k * kept_fraction * hidden * bytes_per_value * (n - 1) / n

@@ -435,3 +435,45 @@ def test_context_parallel_bytes_per_rank():
         costs.context_parallel_bytes("ring", -1, 2)
     with pytest.raises(ValueError, match="n .number of ranks. must be >= 1"):
         costs.context_parallel_bytes("ring", shard, 0)
+
+
+# --- chapter 11: mixture of experts and expert parallelism (a block of its own) ------------------------------
+
+def test_moe_capacity_is_switch_transformers_rounded_up():
+    assert costs.moe_capacity(4096, 2, 64, 1.25) == 160  # ceil(1.25 * 4096 * 2 / 64)
+    assert costs.moe_capacity(10, 1, 4, 1.0) == 3  # 2.5 rounds up: never below the uniform share
+    assert costs.moe_capacity(64, 2, 8, 2.0) == 32
+
+
+def _rows_to_other_ranks(tokens, top_k, num_experts, n):
+    """Count by hand: round-robin routing (every expert the same share), experts split evenly over n ranks,
+    the rows rank 0 sends to ranks other than itself."""
+    per = num_experts // n
+    return sum((t * top_k + j) % num_experts // per != 0 for t in range(tokens) for j in range(top_k))
+
+
+@pytest.mark.parametrize("tokens, top_k, num_experts, n", [(64, 2, 8, 4), (48, 1, 6, 3), (40, 2, 8, 2), (16, 2, 4, 1)])
+def test_expert_parallel_bytes_match_a_count_of_the_rows(tokens, top_k, num_experts, n):
+    hidden, bpv = 32, 2
+    counted = _rows_to_other_ranks(tokens, top_k, num_experts, n) * hidden * bpv
+    assert costs.expert_parallel_all_to_all_bytes(tokens, top_k, hidden, n, bpv) == counted
+
+
+def test_expert_parallel_bytes_scale_with_the_kept_fraction_not_the_experts():
+    full = costs.expert_parallel_all_to_all_bytes(1024, 2, 4096, 8)
+    assert full == 1024 * 2 * 4096 * 2 * 7 / 8
+    assert costs.expert_parallel_all_to_all_bytes(1024, 2, 4096, 8, kept_fraction=0.75) == 0.75 * full
+    assert costs.expert_parallel_all_to_all_bytes(1024, 2, 4096, 1) == 0.0  # one rank sends nothing
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: costs.moe_capacity(0, 2, 8, 1.25), "tokens"),
+    (lambda: costs.moe_capacity(64, 9, 8, 1.25), "top_k"),
+    (lambda: costs.moe_capacity(64, 2, 8, 0), "capacity_factor"),
+    (lambda: costs.expert_parallel_all_to_all_bytes(64, 2, 32, 0), r"\bn\b"),
+    (lambda: costs.expert_parallel_all_to_all_bytes(64, 2, 32, 4, kept_fraction=1.5), "kept_fraction"),
+    (lambda: costs.expert_parallel_all_to_all_bytes(-1, 2, 32, 4), "tokens"),
+])
+def test_moe_costs_reject_bad_input_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

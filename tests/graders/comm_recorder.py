@@ -79,6 +79,14 @@ def payload_bytes(args, kwargs) -> int:
     return max((nbytes(a) for a in (*args, *kwargs.values())), default=0)
 
 
+def tensor_bytes(args, kwargs) -> list[int]:
+    """The bytes of each argument that is a tensor or a list of tensors, in order (positional, then keyword)."""
+    def is_tensors(a):
+        return isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and a
+                                               and all(isinstance(t, torch.Tensor) for t in a))
+    return [nbytes(a) for a in (*args, *kwargs.values()) if is_tensors(a)]
+
+
 def sends_in(name: str, args) -> int:
     """How many messages a point-to-point call sends: 1 for send/isend, the isends of a batch_isend_irecv."""
     if name in SENDS_ONE:
@@ -94,7 +102,9 @@ class Recorder:
 
     An event: {"op": canonical name, "kind": "collective" | "p2p" | "wait", "via": "dist.all_reduce" (the layer
     and name called), "bytes": payload_bytes, "sends": messages sent (point-to-point), "t": perf_counter at the
-    call, "async": whether it returned a handle to wait on (a Work, or anything with .wait())}.
+    call, "async": whether it returned a handle to wait on (a Work, or anything with .wait()), "tensor_bytes": the bytes
+    of each tensor (or list of tensors) argument, in argument order (an all_to_all_single's output and input: what it
+    receives and what it sends)}.
     `on_event(event)`, if set, runs as each is noted (before the call), e.g. to stamp a phase or follow a hang.
     """
 
@@ -126,7 +136,7 @@ class Recorder:
             if depth == 0:
                 event = {"op": op, "kind": what, "via": via, "bytes": payload_bytes(given, kwargs),
                          "sends": sends_in(op, given) if what == "p2p" else 0, "t": time.perf_counter(),
-                         "async": False}
+                         "async": False, "tensor_bytes": tensor_bytes(given, kwargs)}
                 self.events.append(event)
                 if self.on_event is not None:
                     self.on_event(event)

@@ -1,0 +1,318 @@
+"""Chapter 11: a mixture-of-experts layer, and expert parallelism checked against one process.
+
+Every rank builds the same MoE layer (a router and E expert MLPs) from a fixed seed, and every rank's tokens
+(seed + rank), so each can also run the single-process layer on every rank's tokens as the reference.
+
+    11_moe.py --mode check --router learned skewed --capacity-factor 1.0 1.25
+                               expert parallelism (all_to_all_single, uneven splits) vs the single-process layer,
+                               one case per router and factor: outputs, gradients (tokens, router, experts),
+                               tokens per expert, dropped tokens, load-balancing loss, all-to-all bytes
+    11_moe.py --mode timing    step time of the expert-parallel layer, one router per --router
+    11_moe.py --mode mistake --mistake no-counts|wrong-order|silent-drop
+    11_moe.py --mode mesh --dp D   experts split over "ep" and replicated over "dp" on a 2D DeviceMesh
+
+Routers: "learned" (the router's own logits), "skewed" (the same plus a large bias towards a few experts,
+the collapse that the load-balancing loss fights), "uniform" (a perfectly balanced assignment, round robin:
+the routing the volume formula assumes).
+"""
+import argparse
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from gpucourse import costs, runtime
+
+
+class CommCounter:
+    """Wraps dist.all_to_all_single and the collectives a mistake might use: (op, bytes sent to other ranks)."""
+
+    def __init__(self):
+        self.calls, self.on = [], False
+        real = dist.all_to_all_single
+
+        def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
+            if self.on:
+                n, r = dist.get_world_size(group), dist.get_rank(group)
+                rows = input_split_sizes or [input.shape[0] // n] * n
+                per_row = input[0].numel() * input.element_size() if input.shape[0] else 0
+                self.calls.append({"op": "all_to_all_single", "bytes": (sum(rows) - rows[r]) * per_row,
+                                   "dtype": str(input.dtype).removeprefix("torch.")})
+            return real(output, input, output_split_sizes, input_split_sizes, group=group, **kw)
+
+        dist.all_to_all_single = counted
+
+    def take(self) -> list[dict]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+# --- the MoE layer -------------------------------------------------------------------------------------
+class MoE(nn.Module):
+    """Router (linear, softmax, top-k) and E expert MLPs. The weights of a token's k experts are their router
+    probabilities (not renormalised), so the router gets a gradient through the output."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k, self.num_experts = top_k, num_experts
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+                                     for _ in range(num_experts))
+
+    def route(self, x: torch.Tensor, router: str):
+        """(probabilities (T, E), expert ids (T, k), weights (T, k))."""
+        logits = self.router(x)
+        if router == "skewed":  # a router that has collapsed onto a few experts
+            logits = logits + torch.linspace(4.0, 0.0, self.num_experts, device=x.device)
+        probs = logits.softmax(-1)
+        if router == "uniform":  # round robin: every expert gets exactly T*k/E assignments
+            t = torch.arange(x.shape[0], device=x.device)[:, None]
+            ids = (t * self.top_k + torch.arange(self.top_k, device=x.device)) % self.num_experts
+        else:
+            ids = probs.topk(self.top_k, dim=-1).indices
+        return probs, ids, probs.gather(1, ids)
+
+
+def load_balancing_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss, E * sum_e f_e * P_e: f_e the fraction of assignments routed to expert
+    e, P_e the mean router probability of e. 1.0 when both are uniform; up to E when all go to one expert."""
+    f = torch.bincount(ids.reshape(-1), minlength=num_experts).float() / ids.numel()
+    return num_experts * (f * probs.mean(0)).sum()
+
+
+def kept_mask(ids: torch.Tensor, num_experts: int, capacity: int | None) -> torch.Tensor:
+    """(T, k): an assignment is kept when fewer than `capacity` earlier ones (row-major) chose its expert."""
+    if capacity is None:
+        return torch.ones_like(ids, dtype=torch.bool)
+    flat = ids.reshape(-1)
+    place = F.one_hot(flat, num_experts).cumsum(0).gather(1, flat[:, None]).squeeze(1) - 1
+    return (place < capacity).reshape(ids.shape)
+
+
+def moe_single(moe: MoE, x, ids, weights, capacity):
+    """The layer in one process: each kept assignment through its expert, weighted, summed per token."""
+    kept = kept_mask(ids, moe.num_experts, capacity)
+    y = torch.zeros_like(x)
+    for e, expert in enumerate(moe.experts):
+        t, j = ((ids == e) & kept).nonzero(as_tuple=True)
+        if len(t):
+            y = y.index_add(0, t, weights[t, j, None] * expert(x[t]))
+    return y, kept
+
+
+# --- expert parallelism: dispatch, local experts, combine ---------------------------------------------
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with split sizes; backward sends the gradient back (the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        out = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def moe_expert_parallel(moe: MoE, x, ids, weights, capacity, group=None, mistake=None, expert_time=None):
+    """This rank's tokens through the experts spread over `group`: (output, kept mask, rows per expert here).
+    expert_time: a list to which the seconds this rank's experts took in forward are appended."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    E, k = moe.num_experts, ids.shape[1]
+    per = E // n
+    kept = kept_mask(ids, E, capacity)
+    flat = ids.reshape(-1)
+    idx = kept.reshape(-1).nonzero().squeeze(1)
+    order = idx[torch.sort(flat[idx], stable=True).indices]             # kept assignments grouped by expert
+    send_per_expert = torch.bincount(flat[order], minlength=E)
+    if mistake == "no-counts":                                          # assumes: they send me what I send them
+        recv_per_expert = send_per_expert
+    else:                                                               # the counts first
+        recv_per_expert = torch.empty_like(send_per_expert)
+        dist.all_to_all_single(recv_per_expert, send_per_expert, group=group)
+    send_splits = send_per_expert.view(n, per).sum(1).tolist()
+    recv_splits = recv_per_expert.view(n, per).sum(1).tolist()
+    local = AllToAll.apply(x[order // k], recv_splits, send_splits, group)            # dispatch
+    local_ids = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(n), recv_per_expert)
+    t0 = time.perf_counter()
+    out = torch.zeros_like(local)
+    for e in range(per):
+        rows = (local_ids == e).nonzero().squeeze(1)
+        out = out.index_copy(0, rows, moe.experts[r * per + e](local[rows]))
+    if expert_time is not None:
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+        expert_time.append(time.perf_counter() - t0)
+    back = AllToAll.apply(out, send_splits, recv_splits, group)                       # combine
+    placed = torch.zeros(flat.numel(), x.shape[1], device=x.device, dtype=x.dtype)
+    if mistake == "wrong-order":                                        # back in the order sent (by expert)
+        placed = torch.cat([back, placed[back.shape[0]:]])
+    else:                                                               # each row back at its (token, choice)
+        placed = placed.index_copy(0, order, back)
+    y = (placed.view(*ids.shape, -1) * weights[..., None]).sum(1)
+    if mistake == "silent-drop":
+        kept = torch.ones_like(kept)                                    # the drops are not reported
+    return y, kept, torch.bincount(local_ids, minlength=per)
+
+
+# --- the runs ------------------------------------------------------------------------------------------
+def build(args, dev):
+    torch.manual_seed(args.seed)  # the same layer on every rank
+    return MoE(args.hidden, args.ffn, args.experts, args.top_k).to(dev)
+
+
+def tokens_of(source: int, args, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `source`'s tokens and upstream gradient, the same wherever they are made."""
+    g = torch.Generator().manual_seed(1000 + source)
+    return (torch.randn(args.tokens, args.hidden, generator=g).to(dev),
+            torch.randn(args.tokens, args.hidden, generator=g).to(dev))
+
+
+def max_diff(a, b) -> float:
+    return 0.0 if a is None and b is None else (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def grads(moe: MoE, experts) -> dict:
+    """{name: gradient or zeros} of the router and the given experts."""
+    out = {"router.weight": moe.router.weight.grad}
+    for e in experts:
+        for name, p in moe.experts[e].named_parameters():
+            out[f"experts.{e}.{name}"] = p.grad if p.grad is not None else torch.zeros_like(p)
+    return out
+
+
+def check(args, ctx, counter, dev, router, capacity_factor, group=None, dp_group=None, sources=None):
+    """Expert parallel over `group` vs one process on the tokens of `sources` (every rank in the 1-D case)."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    sources = list(range(ctx.world_size)) if sources is None else sources
+    per = args.experts // n
+    capacity = costs.moe_capacity(args.tokens, args.top_k, args.experts, capacity_factor) \
+        if capacity_factor > 0 else None
+    ref_moe = build(args, dev)
+    ref = {}
+    for s in sources:  # the single-process layer, on every source rank's tokens, each with its own capacity
+        x, gy = tokens_of(s, args, dev)
+        x = x.requires_grad_()
+        probs, ids, w = ref_moe.route(x, router)
+        y, kept = moe_single(ref_moe, x, ids, w, capacity)
+        (y * gy).sum().backward()
+        ref[s] = {"y": y.detach(), "x.grad": x.grad, "kept": kept, "ids": ids,
+                  "aux": load_balancing_loss(probs, ids, args.experts).item()}
+    moe = build(args, dev)
+    me = ctx.rank
+    x, gy = tokens_of(me, args, dev)
+    x = x.requires_grad_()
+    probs, ids, w = moe.route(x, router)
+    counter.on = True
+    y, kept, rows_here = moe_expert_parallel(moe, x, ids, w, capacity, group, args.mistake)
+    forward_calls = counter.take()
+    (y * gy).sum().backward()
+    backward_calls = counter.take()
+    counter.on = False
+    mine = list(range(r * per, (r + 1) * per))
+    got, want = grads(moe, mine), grads(ref_moe, mine)
+    if dp_group is not None:  # data parallel: the replicas' gradients summed (sum loss, no averaging)
+        for g in got.values():
+            dist.all_reduce(g, group=dp_group)
+    dist.all_reduce(got["router.weight"], group=group)  # the router is replicated over the experts' group too
+    diffs = {"output": max_diff(y, ref[me]["y"]), "tokens.grad": max_diff(x.grad, ref[me]["x.grad"]),
+             "router.grad": max_diff(got.pop("router.weight"), want.pop("router.weight")),
+             "experts' grads": max(max_diff(got[k], want[k]) for k in got)}
+    dropped = int((~kept).sum())
+    return {"diffs": diffs, "dropped": dropped, "dropped_single": int((~ref[me]["kept"]).sum()),
+            "zero_output_tokens": int((y.detach().abs().sum(1) == 0).sum()),
+            "tokens_per_expert": torch.bincount(ids.reshape(-1), minlength=args.experts).tolist(),
+            "rows_per_local_expert": rows_here.tolist(), "capacity": capacity,
+            "aux_loss": load_balancing_loss(probs, ids, args.experts).item(), "kept": int(kept.sum()),
+            "forward_calls": forward_calls, "backward_calls": backward_calls,
+            "formula_bytes": costs.expert_parallel_all_to_all_bytes(args.tokens, args.top_k, args.hidden, n, 4)}
+
+
+def timing(args, ctx, dev):
+    """Median step time (forward + backward) of the expert-parallel layer, the median time this rank's experts
+    took in forward, and the rows they processed."""
+    capacity = None  # every assignment is processed: imbalance shows as work, not as drops
+    moe = build(args, dev)
+    x, gy = tokens_of(ctx.rank, args, dev)
+    times, rows, expert_s = [], None, []
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _, ids, w = moe.route(x, args.router[0])
+        y, _, rows = moe_expert_parallel(moe, x, ids, w, capacity, expert_time=expert_s)
+        (y * gy).sum().backward()
+        dist.barrier()  # the step ends when the slowest rank is done
+        if dev.type == "cuda":
+            torch.cuda.synchronize()  # GPU work is asynchronous: wait for it before reading the clock
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    times, expert_s = sorted(times), sorted(expert_s[args.warmup:])
+    return {"step_s": times[len(times) // 2], "expert_s": expert_s[len(expert_s) // 2], "rows_here": int(rows.sum())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("check", "timing", "mistake", "mesh"), default="check")
+    parser.add_argument("--router", nargs="+", choices=("learned", "skewed", "uniform"), default=["learned"],
+                        help="check mode: one case per router and capacity factor; other modes: the first")
+    parser.add_argument("--mistake", choices=("no-counts", "wrong-order", "silent-drop"))
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--ffn", type=int, default=64)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--capacity-factor", nargs="+", type=float, default=[0.0],
+                        help="0: no capacity (nothing dropped); several: check mode runs each")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=1, help="mesh mode: data-parallel degree")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    ctx = runtime.setup(seed=0)
+    dev = ctx.device
+    if args.mode == "mistake" and not args.mistake:
+        parser.error("--mode mistake needs --mistake no-counts, wrong-order or silent-drop")
+    ep = ctx.world_size // args.dp if args.mode == "mesh" else ctx.world_size
+    if args.mode == "mesh" and ctx.world_size % args.dp:
+        raise ValueError(f"--dp {args.dp} does not divide the world size {ctx.world_size}")
+    if args.experts % ep:
+        raise ValueError(f"--experts {args.experts} is not divisible by the expert-parallel size {ep}: "
+                         f"choose a multiple of {ep}")
+    counter = CommCounter()
+    if args.mode == "timing":
+        runtime.log(case=f"timing-{args.router[0]}", router=args.router[0], **timing(args, ctx, dev))
+    elif args.mode == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(dev.type, (args.dp, ep), mesh_dim_names=("dp", "ep"))
+        ep_group, dp_group = mesh.get_group("ep"), mesh.get_group("dp")
+        # the reference: one process on the tokens of this rank's expert-parallel group
+        ep_ranks = dist.get_process_group_ranks(ep_group)
+        rec = check(args, ctx, counter, dev, args.router[0], args.capacity_factor[0], group=ep_group,
+                    dp_group=dp_group, sources=list(range(ctx.world_size)))
+        runtime.log(case="mesh", mesh=mesh.mesh.tolist(), ep_ranks=ep_ranks,
+                    dp_ranks=dist.get_process_group_ranks(dp_group), **rec)
+    elif args.mode == "check":
+        for router in args.router:
+            for factor in args.capacity_factor:
+                runtime.log(case="check", router=router, capacity_factor=factor,
+                            **check(args, ctx, counter, dev, router, factor))
+    else:
+        runtime.log(case=f"mistake-{args.mistake}", router=args.router[0],
+                    **check(args, ctx, counter, dev, args.router[0], args.capacity_factor[0]))
+    if ctx.rank == 0:
+        print(f"{ctx.world_size} rank(s): {args.mode} done ({', '.join(args.router)} router)", flush=True)
+    runtime.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -10,7 +10,6 @@ records the device, the versions, what passed and every figure measured. Nothing
 """
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import subprocess
@@ -328,10 +327,6 @@ def main(args) -> int:
     return 0 if all(o.status == "passed" for o in outcomes) else 1
 
 
-def _cli(args) -> int:
-    return main(args)
-
-
 def add_cli(sub) -> None:
     p = sub.add_parser("gpu-check", help="run the course's GPU paths on this machine's GPU and write a dated report")
     p.add_argument("--only", nargs="+", metavar="CHECK", help="run only these checks (see --list)")
@@ -340,4 +335,4 @@ def add_cli(sub) -> None:
                    help="sizes for the notebooks check (default: smoke)")
     p.add_argument("--notebook", nargs="+", metavar="PREFIX", help="only the notebooks whose name starts so")
     p.add_argument("--report-dir", default=str(ROOT / "docs"), help="where the dated report goes (default docs/)")
-    p.set_defaults(func=_cli)
+    p.set_defaults(func=main)

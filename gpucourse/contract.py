@@ -25,6 +25,8 @@ Run directory:
                                         {"event": "setup"} and {"event": "teardown"} (all attempts
                                         append to the same file)
     traces/<name><r>.json               chrome traces from runtime.profile(name=...) (default "rank")
+    raw/rank<r>/<case>.pt               grading jobs only: the tensors a case produced on rank r, saved
+                                        raw (torch.save of a dict) for the grader process to check itself
 The `-node<k>` suffix appears only when one launch starts several agents (nnodes > 1).
 
 Exit file (JSON, written atomically by the agent when torchrun returns):
@@ -48,6 +50,7 @@ DEVICE_ENV = "GPUCOURSE_DEVICE"
 SCRIPT_ARGS_ENV = "GPUCOURSE_SCRIPT_ARGS"
 
 MANIFEST = "manifest.json"
+RAW_DIR = "raw"
 LOGS_DIR, METRICS_DIR, TRACES_DIR = "logs", "metrics", "traces"
 STREAMS = ("stdout", "stderr")  # what RunResult.log shows; "error.json" sits beside them
 EVENT_SETUP, EVENT_TEARDOWN = "setup", "teardown"  # values of a metrics record's "event" key
@@ -133,6 +136,13 @@ def metrics_files(run_dir: Path) -> dict[int, Path]:
         if parsed and parsed[1] == "jsonl":
             found[parsed[0]] = path
     return dict(sorted(found.items()))
+
+
+def raw_file(run_dir: Path, rank: int, case: str) -> Path:
+    """Where a grading job saves one case's raw results on one rank (case names are the graders' own)."""
+    if not re.fullmatch(r"[\w.+=-]+", case):
+        raise ValueError(f"case name {case!r} cannot be a file name: use letters, digits and . + = - _")
+    return Path(run_dir) / RAW_DIR / f"rank{rank}" / f"{case}.pt"
 
 
 def traces_dir(run_dir: Path) -> Path:

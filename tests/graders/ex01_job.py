@@ -4,10 +4,12 @@
 
 test_ex01_ring_allreduce.py launches it through gpucourse.launch, once per world size. Each rank
 logs one record per case through jobkit.record_writer, in runtime.log's format (the tests read them from
-RunResult.metrics):
+RunResult.metrics), and saves the case's tensors raw: what the submission returned and the caller's tensor
+afterwards. The rank judges nothing; the grader process recomputes every sum from the same inputs (`plan`,
+`make_input`, `expected`) and compares (`compare`):
 
-    {"case": "awkward-n5", "group": "awkward", "error": None, "matches": True, "in_place": True,
-     "collectives": [], "sent_bytes": 40, "nbytes": 20, ...}
+    {"case": "awkward-n5", "group": "awkward", "error": None, "raw": ["after", "out"], "returned": "Tensor",
+     "returned_self": True, "same_storage": True, "collectives": [], "sent_bytes": 40, "nbytes": 20, ...}
 
 The submission runs under guard: every collective it calls is recorded while it runs, through whichever layer
 (comm_recorder: dist, c10d, the functional collectives, ProcessGroup/Backend), the bytes it sends are
@@ -15,8 +17,7 @@ counted, what it prints is capped, and a watchdog
 ends the rank (after logging why) when a case takes longer than --case-limit: a deadlock, an endless
 loop or an early exit costs the cases it breaks, not the grading run.
 """
-import argparse
-import os
+import functools
 import re
 import time
 
@@ -32,7 +33,6 @@ BANDWIDTH_BYTES = 4 * 2**20
 BANDWIDTH_REPEATS = 9  # paired samples (ours, then gloo's): the grader takes the median of their ratios
 BANDWIDTH_CALLS = 3  # back-to-back calls per sample: one call (~15 ms) is shorter than a busy machine's hiccups
 PEER_LOST = re.compile(r"Connection closed by peer|Read error|Connection reset|Broken pipe")  # another rank died
-SUBMISSION = [""]  # its path, set by main(): tracebacks are reported at the submission's own lines
 
 
 # --- the guard: what the submission calls, sends and prints ---------------------------------------
@@ -48,6 +48,9 @@ class Guard(jobkit.Guard):
     @property
     def sent_bytes(self) -> int:
         return self.comm.sent_bytes
+
+    def one_line(self, err: BaseException) -> str:
+        return jobkit.one_line(err, self.submission)
 
 
 # --- the cases --------------------------------------------------------------------------------------
@@ -88,45 +91,42 @@ def compare(value, expected: torch.Tensor, values: str) -> dict:
                                         f"({first})"}
 
 
-def one_line(err: BaseException) -> str:
-    return jobkit.one_line(err, SUBMISSION[0])
+def expected(world: int, case: str) -> tuple[torch.Tensor, str]:
+    """(the sum every rank must hold after `case` on `world` ranks, its values kind): computed from the ranks'
+    inputs in float64 (exact for the integer cases), in the grader process."""
+    for index, (name, _, shape, dtype, values) in enumerate(plan(world)):
+        if name == case:
+            total = sum(make_input(index, rank, shape, dtype, values).double() for rank in range(world))
+            return total.to(dtype), values
+    raise KeyError(f"ex01 plans no case {case!r} on {world} rank(s)")
 
 
-def reference(guard, tensor: torch.Tensor, values: str) -> torch.Tensor:
-    """PyTorch's own all_reduce (the grader's, outside the watch); integer data is summed in float64, exactly."""
-    expected = tensor.to(torch.float64 if values == "ints" else tensor.dtype, copy=True)  # never the input itself
-    guard.dist.all_reduce(expected)
-    return expected.to(tensor.dtype)
-
-
-def run_case(fn, guard, index, case, group, shape, dtype, values) -> dict:
-    ctx = runtime.context()
-    tensor = make_input(index, ctx.rank, shape, dtype, values)
-    expected = reference(guard, tensor, values)
-    ptr, record = tensor.data_ptr(), {"case": case, "group": group, "numel": tensor.numel(),
-                                      "nbytes": tensor.numel() * tensor.element_size(), "elem": tensor.element_size()}
+def run_case(index, shape, dtype, values, module, guard) -> dict:
+    """Call the submission on this rank's input; keep what it returned and what the caller's tensor holds."""
+    tensor = make_input(index, runtime.context().rank, shape, dtype, values)
+    ptr, record = tensor.data_ptr(), {"numel": tensor.numel(), "nbytes": tensor.numel() * tensor.element_size(),
+                                      "elem": tensor.element_size()}
     try:
         with guard.watching():
-            out = fn(tensor)
+            out = getattr(module, FUNCTION)(tensor)
         record["error"] = None
     except BaseException as err:  # noqa: BLE001 - SystemExit and friends are the submission's bugs too
-        out, record["error"], record["peer_lost"] = None, one_line(err), bool(PEER_LOST.search(str(err)))
+        out, record["error"], record["peer_lost"] = None, guard.one_line(err), bool(PEER_LOST.search(str(err)))
     record.update(collectives=guard.collectives, sent_bytes=guard.sent_bytes, returned_self=out is tensor,
-                  same_storage=tensor.data_ptr() == ptr)
+                  same_storage=tensor.data_ptr() == ptr, returned=type(out).__name__)
     if record["error"] is None:
-        record.update(compare(out, expected, values))
-        record["in_place"] = compare(tensor, expected, values)["matches"] and out is tensor and record["same_storage"]
+        record["raw"] = {"out": out if isinstance(out, torch.Tensor) else None, "after": tensor}
     return record
 
 
-def measure_bandwidth(fn, guard, world) -> dict:
+def measure_bandwidth(module, guard) -> dict:
     """Seconds per call on this rank of the submission and of gloo's all_reduce, same buffer size, in pairs.
 
     Each repeat times BANDWIDTH_CALLS calls of ours, then as many of gloo's, each after a barrier: the two
     halves of a pair see the same machine, so the grader can compare them pair by pair (median of ratios)
     and a burst of load from elsewhere spoils one pair, not the verdict.
     """
-    n = BANDWIDTH_BYTES // 4
+    n, fn, world = BANDWIDTH_BYTES // 4, getattr(module, FUNCTION), runtime.context().world_size
     ours, gloo, used = [], [], set()
     buf = torch.randn(n)
     for repeat in range(BANDWIDTH_REPEATS + 1):  # the first round warms up both
@@ -147,37 +147,31 @@ def measure_bandwidth(fn, guard, world) -> dict:
     return {"nbytes": BANDWIDTH_BYTES, "ours_s": ours, "gloo_s": gloo, "world": world, "collectives": sorted(used)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("submission")
-    parser.add_argument("--case-limit", type=float, default=15.0)
-    parser.add_argument("--bandwidth", action="store_true", help="also time the submission against gloo")
-    args = parser.parse_args()
-    SUBMISSION[0] = os.path.abspath(args.submission)
-    ctx = runtime.setup(seed=0)
-    log = jobkit.record_writer()  # before the submission is imported: see record_writer
-    guard, watchdog = Guard(comm_recorder.install()), jobkit.Watchdog(
-        "a deadlock (a rank waiting for a message never sent), an endless loop, or far too slow", log)
-    cases = plan(ctx.world_size)
-    log(case="plan", cases={case: group for case, group, *_ in cases})
+class Ex01Job(jobkit.GradingJob):
+    """ex01's grading job: every case of one world size, then (--bandwidth) the timing against gloo."""
 
-    module = jobkit.import_or_exit(args.submission, "ex01", [FUNCTION], guard.watching, watchdog, args.case_limit,
-                                   log)
-    fn = getattr(module, FUNCTION)
+    name, wanted = "ex01", (FUNCTION,)
+    barrier_between_cases = True  # a rank that failed before a send must not meet its peers' next case
+    reason = "a deadlock (a rank waiting for a message never sent), an endless loop, or far too slow"
 
-    for index, (case, group, shape, dtype, values) in enumerate(cases):
-        with watchdog.case_limit(case, group, args.case_limit):
-            log(**run_case(fn, guard, index, case, group, shape, dtype, values))
-    if args.bandwidth and ctx.world_size > 1:
-        with watchdog.case_limit("bandwidth", "bandwidth", 4 * args.case_limit):
-            try:
-                record = {"error": None, **measure_bandwidth(fn, guard, ctx.world_size)}
-            except BaseException as err:  # noqa: BLE001
-                record = {"error": one_line(err), "collectives": guard.collectives}
-            log(case="bandwidth", group="bandwidth", **record)
-    log(case="done")
-    runtime.teardown()
+    def options(self, parser) -> None:
+        parser.add_argument("--bandwidth", action="store_true", help="also time the submission against gloo")
+
+    def make_guard(self, comm) -> Guard:
+        guard = Guard(comm)
+        guard.submission = self.submission  # tracebacks are reported at the submission's own lines
+        return guard
+
+    def plan(self) -> list[tuple]:
+        cases = [(case, group, functools.partial(run_case, index, shape, dtype, values))
+                 for index, (case, group, shape, dtype, values) in enumerate(plan(self.ctx.world_size))]
+        if self.args.bandwidth and self.ctx.world_size > 1:
+            cases.append(("bandwidth", "bandwidth", measure_bandwidth, 4 * self.args.case_limit))
+        return cases
+
+    def fields(self) -> dict:  # a case that raised still reports the collectives it had called
+        return {"collectives": self.guard.collectives}
 
 
 if __name__ == "__main__":
-    main()
+    jobkit.main(Ex01Job)

@@ -4,14 +4,24 @@ Every exNN_job.py logs `{"case": "plan", "cases": {case: group}}` first, `{"case
 if the submission cannot be loaded, then one record per case and rank. The tests ask for a case's records
 and get one per rank, with a made-up record (and the reason) for a rank that ended during the case.
 
+A rank decides nothing: what the submission produced comes back raw (`JobRecords.raw`: the tensors a case
+saved) and the tests compare it with what the grader process computes itself from the case's inputs, which it
+takes from the job script's own plan (`job_module`).
+
 A grader launches its job with `launch_jobs` (once per world size, side by side) in a module fixture and
 fails a test with `check` (the first failing case, one line).
 """
+import functools
+import importlib
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
+import torch
 
+from gpucourse.contract import raw_file
 from gpucourse.launcher import launch
 
 from .conftest import TIMING_ENV
@@ -22,6 +32,41 @@ from .conftest import TIMING_ENV
 REPORT_SLACK = 2
 
 
+class RawResultsError(Exception):
+    """A case's raw results file is missing, unreadable or not what its record names."""
+
+
+@functools.lru_cache(maxsize=64)
+def _load_raw(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def raw(rec: dict) -> dict:
+    """The raw results a rank's record of a case saved ({name: tensor or plain value}); {} if it saved none.
+
+    Loaded with weights_only=True: the file was written inside the submission's process, so it is read as data,
+    never as code. (Tests must not modify what they get: it is cached.)"""
+    if not rec.get("raw"):
+        return {}
+    try:
+        values = _load_raw(raw_file(rec["run_dir"], rec["rank"], rec["case"]))
+    except Exception as err:  # noqa: BLE001 - a missing or unreadable file fails that case, not the grader
+        raise RawResultsError(f"its raw results cannot be read ({type(err).__name__}: {err})") from None
+    if not isinstance(values, dict) or sorted(values) != sorted(rec["raw"]):
+        raise RawResultsError("its raw results are not the ones its record names")
+    return values
+
+
+def job_module(job_file: Path):
+    """The grading job script imported in the grader process, for its plan and inputs: the tests recompute from
+    them what each case should have produced. (Its imports of jobkit and comm_recorder, beside it, install
+    nothing: only a job's run() does.)"""
+    folder = str(Path(job_file).parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(Path(job_file).stem)
+
+
 class JobRecords:
     def __init__(self, result, world: int, label: str | None = None):
         self.result, self.world = result, world
@@ -30,6 +75,8 @@ class JobRecords:
         for rank, records in result.metrics.items():
             for rec in records:
                 if "case" in rec:
+                    # The grader's own facts, whatever the rank wrote: raw() reads there
+                    rec["run_dir"], rec["rank"] = result.run_dir, rank
                     self.records.setdefault(rec["case"], {})[rank] = rec
         plans = self.records.get("plan", {})
         self.plan: dict[str, str] = next(iter(plans.values()))["cases"] if plans else {}
@@ -89,26 +136,51 @@ def launch_jobs(job_file, submission, world_sizes, *, name: str, case_limit: flo
         return dict(zip(jobs, pool.map(run, jobs)))
 
 
-def check(jobs, cases, problem, worlds=None) -> None:
+def telling(rec: dict) -> int:
+    """How much a failing rank's record says about the cause (lower: more). A rank that ended mid-case beats one
+    that raised or returned a wrong result, then one that waited and timed out, then one whose peer died."""
+    return 3 if rec.get("peer_lost") else 2 if rec.get("timed_out") else 0 if rec.get("ended") else 1
+
+
+def check(jobs, cases, problem, worlds=None, *, only_cases_that_ran: bool = False) -> None:
     """Fail with the first failing case (one line, its most telling rank), counting the others.
 
     jobs: one job's JobRecords, or {world size: JobRecords} (each failure then names its world size; `worlds`
-    picks some of them). cases: the case names, or a group's name (every case of that group the job planned).
-    problem(rec) -> None when a rank's record of a case is right, else why not. A rank that raised is
-    reported before one that was stopped because of it.
+    picks some of them). cases: the case names, a group's name (every case of that group the job planned), or
+    None (every case planned).
+    problem(rec) -> None when a rank's record of a case is right, else why not; it may read the case's tensors
+    with raw(rec). only_cases_that_ran: judge a property (in place, traffic, ...) on the cases that did not
+    raise, which the correctness tests already fail; a job in which no case ran still fails.
     """
     several = isinstance(jobs, dict)
     failures = []
     for job in [jobs[w] for w in (worlds or jobs)] if several else [jobs]:
-        for case in job.cases(cases) if isinstance(cases, str) else cases:
-            found = []
-            for rec in job.ranks(case):
-                why = rec.get("error") or problem(rec)
-                if why:
-                    found.append((bool(rec.get("peer_lost")), rec.get("rank", 0), why))
-            if found:
-                _, rank, why = min(found)
-                failures.append(f"{job.label}, " * several + f"{case}, rank {rank}: {why}")
+        ran, crashes = 0, []
+        for case in job.cases(cases) if cases is None or isinstance(cases, str) else cases:
+            records = job.ranks(case)
+            crashed = only_cases_that_ran and _most_telling(records, lambda rec: None)
+            if crashed:
+                crashes.append(f"{job.label}, " * several + f"{case}, rank {crashed[0]}: {crashed[1]}")
+                continue
+            ran += 1
+            failed = _most_telling(records, problem)
+            if failed:
+                failures.append(f"{job.label}, " * several + f"{case}, rank {failed[0]}: {failed[1]}")
+        if crashes and not ran:
+            failures.append(f"no case ran to the end; {crashes[0]}")
     if failures:
         more = f" (and {len(failures) - 1} more failing case(s))" if len(failures) > 1 else ""
         pytest.fail(failures[0] + more, pytrace=False)
+
+
+def _most_telling(records, problem) -> tuple[int, str] | None:
+    """(rank, why) of the failing rank whose record says most (an error before problem()), or None."""
+    found = []
+    for rec in records:
+        try:
+            why = rec.get("error") or problem(rec)
+        except RawResultsError as err:
+            why = str(err)
+        if why:
+            found.append((telling(rec), rec.get("rank", 0), why))
+    return min(found)[1:] if found else None

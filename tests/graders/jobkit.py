@@ -2,14 +2,16 @@
 
 A submission must never be able to take the grading run down with it: its output is capped, each case
 runs under a watchdog that logs why and ends the rank when the case runs too long, and its exceptions
-are reported in one line pointing at the submission's own code. Nor should it be able to change the verdict
-by rebinding names: the job's records go through a writer made before the submission is imported
-(`record_writer`), what it communicates is recorded by comm_recorder, and the classes it must not use are
-replaced by refusals that are checked to bind (`ban`).
+are reported in one line pointing at the submission's own code. Nor should it be able to change the verdict:
+a rank computes none. It saves what the submission produced, raw (tensors through `record_writer`'s `raw=`,
+counts from comm_recorder), and the grader process recomputes the expected values from the case's inputs and
+compares (job_records). The records go through a writer made before the submission is imported, and the
+classes it must not use are replaced by refusals that are checked to bind (`ban`).
 
-A job's main: runtime.setup(), `log = record_writer()`, its Guard (on comm_recorder.install()), log the plan,
-`import_or_exit` (the "import" record, or the module), `run_cases` (one record per case, then "done").
+A job is a `GradingJob` subclass and its script ends with `jobkit.main(ThatJob)`: setup, the record writer, the
+guard and watchdog, the plan, the import and the cases run in that order for every exercise (`GradingJob.run`).
 """
+import argparse
 import contextlib
 import gc
 import importlib
@@ -30,8 +32,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import comm_recorder  # beside this file
 from gpucourse import runtime
-from gpucourse.contract import metrics_file
+from gpucourse.contract import metrics_file, raw_file
 
 OUTPUT_BUDGET = 10_000  # characters of the submission's own output kept per rank
 RECHECKS, RECHECK_S = 5, 0.02  # an allocation must stay alive this long (0.1 s) to count as kept
@@ -49,27 +52,49 @@ def load_submission(path: str, name: str):
 def record_writer():
     """log(**record): one JSON line in this rank's metrics file, exactly as runtime.log writes it.
 
-    Made after runtime.setup() and before the submission is imported, from a file descriptor of its own and
-    functions captured now: a submission that replaces gpucourse.runtime.log, runtime._write_record, json.dumps
-    or os.write at import changes nothing the grader writes. Keep it in a local variable (no module attribute).
+    `raw={name: tensor or plain value}` in a record is saved to the case's raw file instead (torch.save, read
+    back by JobRecords.raw with weights_only=True) and the record keeps the names: the tensors a case produced,
+    for the grader process to check. Made after runtime.setup() and before the submission is imported, from
+    file descriptors of its own and functions captured now: a submission that replaces gpucourse.runtime.log,
+    runtime._write_record, json.dumps, torch.save or os.write at import changes nothing the grader writes.
+    Keep it in a local variable (no module attribute).
     """
     ctx = runtime.context()
     path = metrics_file(ctx.run_dir, ctx.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
+    raw_dir = raw_file(ctx.run_dir, ctx.rank, "plan").parent
+    raw_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    raw_fd = os.open(raw_dir, os.O_RDONLY | os.O_DIRECTORY)
     write, dumps, now, rank, lock, tensor = os.write, json.dumps, time.time, ctx.rank, threading.Lock(), torch.Tensor
+    save, open_at, close, buffer = torch.save, os.open, os.close, io.BytesIO
 
     def plain(value):  # as runtime.log: a tensor becomes a number or a list
         if isinstance(value, tensor):
             return value.item() if value.numel() == 1 else value.tolist()
         return value
 
+    def write_all(to, data: bytes) -> None:
+        while data:
+            data = data[write(to, data):]
+
+    def store(case: str, values: dict) -> list[str]:
+        out = buffer()
+        save({k: v.detach().cpu().clone() if isinstance(v, tensor) else v for k, v in values.items()}, out)
+        name = raw_file(ctx.run_dir, rank, case).name
+        to = open_at(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=raw_fd)
+        try:
+            write_all(to, out.getvalue())
+        finally:
+            close(to)
+        return sorted(values)
+
     def log(**record) -> None:
+        if "raw" in record:
+            record["raw"] = store(record["case"], record["raw"])
         line = dumps({"rank": rank, "time": now(), **{k: plain(v) for k, v in record.items()}}) + "\n"
-        data = line.encode()
         with lock:  # the watchdog's thread writes too; O_APPEND keeps whole lines beside runtime's own
-            while data:
-                data = data[write(fd, data):]
+            write_all(fd, line.encode())
 
     return log
 
@@ -140,15 +165,16 @@ def import_or_exit(path: str, name: str, wanted, watching, watchdog: "Watchdog",
 
 def run_cases(cases, args: tuple, watchdog: "Watchdog", limit: float, submission: str, log, *, fields=dict,
               between=None) -> None:
-    """Run each (case, group, run) as run(*args) under the watchdog's limit; log one record per case, then "done".
+    """Run each (case, group, run[, limit]) as run(*args) under the watchdog's limit (the case's own, if given);
+    log one record per case, then "done".
 
     A case's record is what run returned, with "error": None, or {"error": one line} for an exception of any
     kind (SystemExit and friends are the submission's bugs too). fields() adds the job's own fields, read
     after the case (e.g. whether a forbidden class was used); the case's own fields win. between(), if given,
     runs after each record, still under the case's limit (e.g. a barrier that lines the ranks up again).
     """
-    for case, group, run in cases:
-        with watchdog.case_limit(case, group, limit):
+    for case, group, run, *own_limit in cases:
+        with watchdog.case_limit(case, group, own_limit[0] if own_limit else limit):
             try:
                 record = {"error": None, **run(*args)}
             except BaseException as err:  # noqa: BLE001
@@ -157,6 +183,88 @@ def run_cases(cases, args: tuple, watchdog: "Watchdog", limit: float, submission
             if between is not None:
                 between()
     log(case="done")
+
+
+class GradingJob:
+    """One exercise's grading job, run in every rank: its script defines a subclass and ends with
+    `jobkit.main(ThatJob)`. `run` is the one order of events; a job overrides the hooks it needs.
+
+    The hooks run in this order: options, setup, prepare (what must happen before the submission is imported
+    and outside every case's clock: warm-ups, process groups every rank creates), make_guard, make_watchdog,
+    plan (logged as the "plan" record with plan_fields), the submission's import (under `watching`), loaded,
+    then each case as run(*case_args(module)), its record with fields() and its raw results.
+    """
+
+    name = ""  # the submission's module name inside the rank ("ex05"); the exercise's number
+    wanted: tuple = ()  # the callables the submission must define
+    case_limit = 15.0  # seconds a case may run (--case-limit); the grader's tests pass their own
+    reason = "an endless loop, or far too slow"  # what usually makes a case overrun, in the exercise's terms
+    barrier_between_cases = False  # a rank that failed before a send must not meet its peers' next case
+
+    def options(self, parser: argparse.ArgumentParser) -> None:
+        """Add this job's own command-line options (read back from self.args)."""
+
+    def setup(self):
+        return runtime.setup(seed=0)
+
+    def prepare(self) -> None:
+        """After setup, before the record writer and the import."""
+
+    def make_guard(self, comm) -> "Guard":
+        return Guard(comm)
+
+    def make_watchdog(self, log) -> "Watchdog":
+        return Watchdog(self.reason, log)
+
+    def plan(self) -> list[tuple]:
+        """[(case, group, run[, limit])]: run(*case_args(module)) returns the case's record (a dict; raw= for
+        the tensors the grader process checks); a case's own limit in seconds replaces --case-limit."""
+        raise NotImplementedError
+
+    def plan_fields(self) -> dict:
+        return {}
+
+    def watching(self):
+        """What the submission's import runs under (the guard's watch: recorded, output capped)."""
+        return self.guard.watching()
+
+    def loaded(self, module) -> None:
+        """After the import succeeded (e.g. a reference that needs the submission's own model class)."""
+
+    def case_args(self, module) -> tuple:
+        return module, self.guard
+
+    def fields(self) -> dict:
+        """Added to every record, the import's too (e.g. whether a forbidden class was reached for)."""
+        return {}
+
+    def run(self, argv=None) -> None:
+        parser = argparse.ArgumentParser(description=self.__doc__)
+        parser.add_argument("submission")
+        parser.add_argument("--case-limit", type=float, default=self.case_limit)
+        self.options(parser)
+        self.args = parser.parse_args(argv)
+        self.submission = os.path.abspath(self.args.submission)
+        self.ctx = self.setup()
+        self.prepare()
+        self.log = log = record_writer()  # before the submission is imported: see record_writer
+        self.guard = self.make_guard(comm_recorder.install())
+        self.watchdog = self.make_watchdog(log)
+        limit = self.args.case_limit
+        cases = self.plan()
+        log(case="plan", cases={case: group for case, group, *_ in cases}, world_size=self.ctx.world_size,
+            **self.plan_fields())
+        module = import_or_exit(self.submission, self.name, self.wanted, self.watching, self.watchdog, limit, log,
+                                fields=self.fields)
+        self.loaded(module)
+        run_cases(cases, self.case_args(module), self.watchdog, limit, self.submission, log, fields=self.fields,
+                  between=self.guard.dist.barrier if self.barrier_between_cases else None)
+        runtime.teardown()
+
+
+def main(job_class: type[GradingJob]) -> None:
+    """The entry point of every grading job script."""
+    job_class().run()
 
 
 def one_line(err: BaseException, submission: str) -> str:

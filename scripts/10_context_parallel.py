@@ -10,6 +10,8 @@ the sequence in the zig-zag layout (the impl's shard_sequence: chunks r and 2N-1
               raises NotImplementedError): K/V blocks passed around the ring with isend/irecv
   ulysses     all-to-all from sequence-split to head-split (each rank: H/N heads, whole sequence), attend,
               all-to-all back (DeepSpeed-Ulysses); needs heads divisible by N
+  ring_autograd  the same ring forward written with plain autograd (no backward of its own): what it saves for
+              backward, and which gradients come out wrong (logged, not asserted: dK/dV are expected wrong)
 Each case ASSERTS that its output and q/k/v gradients equal the reference's shard (float32 tolerance), and logs
 the bytes this rank addressed to other ranks (forward, backward), what the forward left for backward (bytes of
 tensors saved by autograd), and the times. Also:
@@ -158,6 +160,41 @@ def ulysses_attention(q, k, v, positions, causal):
     return HeadsToSequence.apply(out[:, :, torch.argsort(to_global)])
 
 
+# --- the ring without its own backward: autograd through the forward's operations --------------------------------
+def ring_autograd_attention(q, k, v, positions, causal):
+    """Ring attention's forward (K/V blocks around the ring, an online softmax over them) as plain tensor ops, so
+    that autograd records it. Autograd then keeps every block that arrived (each step's K, V and probabilities):
+    state ∝ S, not S/N. And the gradients of the blocks that arrived stay on this rank: nothing sends them home,
+    so only the rank's own block contributes to its dK and dV."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    scale = q.shape[-1] ** -0.5
+    m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)  # running row maximum
+    num, den = torch.zeros_like(q), torch.zeros_like(m)
+    block_k, block_v = k, v
+    for step in range(n):
+        source = (rank - step) % n  # whose K/V block this is
+        if step < n - 1:  # start passing the block on while it is used
+            nxt_k, nxt_v = torch.empty_like(k), torch.empty_like(v)
+            ops = [dist.P2POp(dist.isend, block_k.detach().contiguous(), (rank + 1) % n),
+                   dist.P2POp(dist.isend, block_v.detach().contiguous(), (rank + 1) % n),
+                   dist.P2POp(dist.irecv, nxt_k, (rank - 1) % n), dist.P2POp(dist.irecv, nxt_v, (rank - 1) % n)]
+            requests = dist.batch_isend_irecv(ops)
+        scores = (q @ block_k.transpose(-2, -1)) * scale
+        if causal:
+            future = positions[rank].view(-1, 1) < positions[source].view(1, -1)
+            scores = scores.masked_fill(future, float("-inf"))
+        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # a row with no key yet stays 0
+        weights = torch.exp(scores - shift)
+        keep = torch.exp(m - shift)
+        num, den, m = num * keep + weights @ block_v, den * keep + weights.sum(-1, keepdim=True), m_new
+        if step < n - 1:
+            for request in requests:
+                request.wait()
+            block_k, block_v = nxt_k, nxt_v
+    return num / den
+
+
 # --- running one way and checking it ----------------------------------------------------------------------------
 def saved_bytes(run):
     """run() under saved_tensors_hooks: (its result, bytes of the tensors autograd saved for backward, each
@@ -180,7 +217,7 @@ def sync():
         torch.cuda.synchronize()
 
 
-def check_case(name, fn, inputs, want, causal):
+def check_case(name, fn, inputs, want, causal, checked=("out", "dq", "dk", "dv")):
     q, k, v, grad = inputs
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     dist.barrier()
@@ -196,7 +233,7 @@ def check_case(name, fn, inputs, want, causal):
     backward_s, backward_bytes = time.perf_counter() - start, SENT["bytes"]
     errors = {label: (got.double() - w).abs().max().item()
               for label, got, w in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), want)}
-    bad = {label: e for label, e in errors.items() if not e <= TOLERANCE}
+    bad = {label: e for label, e in errors.items() if label in checked and not e <= TOLERANCE}
     assert not bad, f"{name} (causal={causal}) differs from SDPA on the whole sequence: {bad}"
     runtime.log(case=name, causal=causal, errors=errors, forward_bytes=forward_bytes, backward_bytes=backward_bytes,
                 saved_bytes=saved, shard_bytes=q.numel() * q.element_size(), forward_s=forward_s,
@@ -280,6 +317,8 @@ def main():
         want = [impl.shard_sequence(t.detach(), rank, n) for t in (out, *(t.grad for t in leaves))]
         for name, fn in ways.items():
             check_case(name, fn, mine, want, causal)
+        check_case("ring_autograd", lambda q, k, v, c: ring_autograd_attention(q, k, v, positions, c), mine, want,
+                   causal, checked=("out", "dq"))
 
     # causal balance: the same work done per rank by each layout
     qf, kf, vf = (t.float() for t in full[:3])

@@ -543,3 +543,40 @@ def expert_parallel_all_to_all_bytes(tokens, top_k, hidden, n, bytes_per_value=2
     _require(bytes_per_value > 0, f"bytes_per_value must be > 0, got {bytes_per_value}")
     _require(0 <= kept_fraction <= 1, f"kept_fraction must be between 0 and 1, got {kept_fraction}")
     return tokens * top_k * kept_fraction * hidden * bytes_per_value * (n - 1) / n
+
+
+# --- chapter 07: FSDP, HSDP and DDP as one family: what each collective carries per step -------------------
+# (a block of its own, like chapters 10 and 11)
+
+def sharded_dp_comm_bytes(param_bytes, replicate, shard, *, grad_bytes=None, reshard_after_forward=True):
+    """The collectives of one training step under fully_shard on a (replicate x shard) mesh, per rank.
+
+    Ranks form a replicate x shard grid: parameters, gradients and optimizer states are sharded over the `shard`
+    ranks of a group and replicated over the `replicate` groups. shard = N is FSDP (ZeRO-3), replicate = N with
+    shard = 1 is DDP, both > 1 is HSDP (hybrid sharding). Per step, with the whole model in one or many groups:
+      all_gather      over the shard group, payload = the gathered parameters (param_bytes): in forward, and
+                      again in backward when the forward freed them (reshard_after_forward=True, the default);
+      reduce_scatter  over the shard group, payload = the full gradients (grad_bytes, default param_bytes);
+      all_reduce      over the replicate group, payload = the reduce-scatter's output, grad_bytes / shard.
+    Collectives over a group of one rank are not run and are left out. Returns {collective: {"group": "shard"
+    or "replicate", "ranks": the group's size, "calls_bytes": the payload summed over the step, "sent": bytes
+    this rank sends in a bandwidth-optimal algorithm (bytes_moved_per_rank)}}. Padding (FSDP pads each
+    parameter's first dimension to a multiple of `shard`) is not modelled: sizes that divide evenly have none.
+    """
+    _check_nonneg(param_bytes, "param_bytes")
+    for value, name in ((replicate, "replicate"), (shard, "shard")):
+        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                 f"{name} must be a whole number >= 1 (ranks along that mesh dimension), got {value!r}")
+    grad_bytes = param_bytes if grad_bytes is None else grad_bytes
+    _check_nonneg(grad_bytes, "grad_bytes")
+    out = {}
+    if shard > 1:
+        gathered = (2 if reshard_after_forward else 1) * param_bytes
+        out["all_gather"] = {"group": "shard", "ranks": shard, "calls_bytes": gathered,
+                             "sent": bytes_moved_per_rank("all_gather", gathered, shard)}
+        out["reduce_scatter"] = {"group": "shard", "ranks": shard, "calls_bytes": grad_bytes,
+                                 "sent": bytes_moved_per_rank("reduce_scatter", grad_bytes, shard)}
+    if replicate > 1:
+        out["all_reduce"] = {"group": "replicate", "ranks": replicate, "calls_bytes": grad_bytes / shard,
+                             "sent": bytes_moved_per_rank("all_reduce", grad_bytes / shard, replicate)}
+    return out

@@ -15,7 +15,10 @@ Two kinds of traces, told apart by whether they hold GPU kernels (`analysis.kind
               - the profiler's own `ProfilerStep#N` markers,
               - collective calls (`c10d::*`, `record_param_comms`, `gloo:*`, `nccl:*`) and what is nested in them,
               - an event that encloses a collective call (a "step" region around everything): it is a container,
-                only what is nested inside it counts.
+                only what is nested inside it counts;
+              - FSDP2's own regions (`FSDP::pre_forward`, `FSDP::all_gather_copy_out`, ...) and what encloses
+                them: they hold FSDP's waits on its all-gathers (`Work.wait()` is not recorded), so they are
+                containers too, and only the operators nested in them (its copies) count.
             So `with record_function("compute"): time.sleep(0.05)` counts as 50 ms of compute.
             Point-to-point is the exception: gloo records `gloo:send` / `gloo:recv` on the CALLER's thread,
             from the isend/irecv to the transfer's end (it runs meanwhile, asynchronously): they are
@@ -50,6 +53,10 @@ CALLER_COMM_PREFIXES = ("c10d::", "_c10d_functional::", "record_param_comms", "g
 COMPUTE_CATS = ("cpu_op", "user_annotation")
 GPU_WORK_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 POINT_TO_POINT = ("gloo:send", "gloo:recv")  # recorded on the caller's thread, spanning the async transfer
+# Regions a library records around its own waits on collectives, which the trace does not show: FSDP2 (fully_shard)
+# waits for a prefetched all-gather inside `FSDP::all_gather_copy_out`. Such a region, and an event enclosing one,
+# is a container: only the operators nested in it are compute.
+WAIT_REGION_PREFIXES = ("FSDP::",)
 EPS_US = 1e-3  # kineto rounds to ns: a child may end 1 ns after its parent
 
 
@@ -145,10 +152,23 @@ class RankAnalysis:
     backend: str | None = None
     world_size: int | None = None
     device: str | None = None
+    comm_by_name: dict[str, list[Interval]] = field(default_factory=dict)  # "gloo:all_gather" -> its intervals
 
     def mean(self, attr: str) -> float:
         values = [getattr(s, attr) for s in self.steps]
         return sum(values) / len(values) if values else math.nan
+
+    def collective(self, name: str) -> list[tuple[float, float]]:
+        """Per step, (time, exposed time) in us of one collective, by its name in the trace ("gloo:all_gather",
+        "gloo:all_reduce"; on GPUs the kernel's name): the union of its intervals in the step, and the part of
+        that no compute covers. 0.0 for a step (or a trace) without it; `comm_by_name` lists the names found."""
+        intervals = self.comm_by_name.get(name, [])
+        out = []
+        for s in self.steps:
+            end = s.start_us + s.duration_us
+            mine = clip(intervals, s.start_us, end)
+            out.append((total(mine), total(subtract(mine, clip(self.intervals["compute"], s.start_us, end)))))
+        return out
 
     @property
     def overlap(self) -> float:
@@ -267,17 +287,32 @@ def _cpu_intervals(spans) -> dict[str, list[Interval]]:
     for ev in caller:
         if ev["name"].startswith(CALLER_COMM_PREFIXES) and ev["name"] not in POINT_TO_POINT:
             calls_by_thread.setdefault((ev.get("pid"), ev.get("tid")), []).append((ev["ts"], ev["end"]))
+    waits_by_thread: dict = {}
+    for ev in caller:
+        if ev["name"].startswith(WAIT_REGION_PREFIXES):
+            waits_by_thread.setdefault((ev.get("pid"), ev.get("tid")), []).append((ev["ts"], ev["end"]))
     index = {t: tuple(zip(*sorted(v))) for t, v in calls_by_thread.items()}  # thread -> (starts, ends)
+    wait_index = {t: tuple(zip(*sorted(v))) for t, v in waits_by_thread.items()}
     compute = []
     for ev in caller:
-        if ev["cat"] not in COMPUTE_CATS or ev["name"].startswith((STEP_PREFIX, *CALLER_COMM_PREFIXES)):
+        if ev["cat"] not in COMPUTE_CATS or ev["name"].startswith((STEP_PREFIX, *CALLER_COMM_PREFIXES,
+                                                                   *WAIT_REGION_PREFIXES)):
             continue
-        calls = index.get((ev.get("pid"), ev.get("tid")))
-        if calls and _encloses(ev, *calls):
-            continue  # a container around a collective call: its children speak for it
+        thread = (ev.get("pid"), ev.get("tid"))
+        if any(found and _encloses(ev, *found) for found in (index.get(thread), wait_index.get(thread))):
+            continue  # a container around a collective call or a library's wait: its children speak for it
         compute.append((ev["ts"], ev["end"]))
     calls = union(iv for v in calls_by_thread.values() for iv in v)
     return {"compute": subtract(union(compute), calls), "comm": union((ev["ts"], ev["end"]) for ev in comm)}
+
+
+def _comm_by_name(spans, gpu: bool) -> dict[str, list[Interval]]:
+    """The communication intervals of each collective name: gloo's events, and on GPUs the NCCL kernels."""
+    by_name: dict[str, list] = {}
+    for ev in spans:
+        if ev["name"].startswith("gloo:") or (gpu and ev["cat"] == "kernel" and "nccl" in ev["name"].lower()):
+            by_name.setdefault(ev["name"], []).append((ev["ts"], ev["end"]))
+    return {name: union(v) for name, v in sorted(by_name.items())}
 
 
 def _gpu_intervals(spans) -> dict[str, list[Interval]]:
@@ -356,7 +391,8 @@ def analyze_trace(path: str | Path, rank: int | None = None) -> RankAnalysis:
     device = props[0].get("name") if gpu and props and isinstance(props[0], dict) else None
     return RankAnalysis(rank=rank, path=path, kind="gpu" if gpu else "cpu-gloo",
                         steps=_breakdown(rank, windows, intervals), intervals=intervals,
-                        backend=info.get("backend"), world_size=info.get("world_size"), device=device)
+                        backend=info.get("backend"), world_size=info.get("world_size"), device=device,
+                        comm_by_name=_comm_by_name(spans, gpu))
 
 
 # --- a whole run ------------------------------------------------------------------------------------

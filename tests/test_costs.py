@@ -477,3 +477,46 @@ def test_expert_parallel_bytes_scale_with_the_kept_fraction_not_the_experts():
 def test_moe_costs_reject_bad_input_naming_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# --- chapter 07: fully_shard on a (replicate x shard) mesh ------------------------------------------------
+def test_ddp_is_one_all_reduce_of_the_gradients_over_every_rank():
+    assert costs.sharded_dp_comm_bytes(1000, 4, 1) == {
+        "all_reduce": {"group": "replicate", "ranks": 4, "calls_bytes": 1000, "sent": 2 * 3 / 4 * 1000}}
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 64])
+def test_fsdp_sends_the_zero_papers_three_psi_and_two_without_resharding(n):
+    num_params, bpe = 10_000, 2
+    fsdp = costs.sharded_dp_comm_bytes(num_params * bpe, 1, n)
+    assert set(fsdp) == {"all_gather", "reduce_scatter"}  # nothing to all-reduce over one replica
+    assert fsdp["all_gather"]["calls_bytes"] == 2 * num_params * bpe  # forward and again in backward
+    assert fsdp["reduce_scatter"]["calls_bytes"] == num_params * bpe
+    sent = sum(c["sent"] for c in fsdp.values())
+    # the paper rounds (n-1)/n to 1
+    assert sent == pytest.approx(costs.zero_comm_volume(num_params, 3, bpe) * (n - 1) / n)
+    kept = costs.sharded_dp_comm_bytes(num_params * bpe, 1, n, reshard_after_forward=False)
+    assert sum(c["sent"] for c in kept.values()) == pytest.approx(costs.zero_comm_volume(num_params, 2, bpe) * (n - 1) / n)
+
+
+def test_hsdp_all_reduces_only_a_shard_across_replicas():
+    P = 4096
+    hsdp = costs.sharded_dp_comm_bytes(P, 2, 4, grad_bytes=2 * P)  # fp32 gradients of bf16 parameters, say
+    assert hsdp["all_gather"] == {"group": "shard", "ranks": 4, "calls_bytes": 2 * P, "sent": 3 / 4 * 2 * P}
+    assert hsdp["reduce_scatter"] == {"group": "shard", "ranks": 4, "calls_bytes": 2 * P, "sent": 3 / 4 * 2 * P}
+    assert hsdp["all_reduce"] == {"group": "replicate", "ranks": 2, "calls_bytes": 2 * P / 4, "sent": 2 * P / 4}
+    # across replicas (the slow link, when a shard group is a node) HSDP sends 1/shard of what DDP does
+    ddp = costs.sharded_dp_comm_bytes(P, 8, 1, grad_bytes=2 * P)
+    assert hsdp["all_reduce"]["calls_bytes"] * 4 == ddp["all_reduce"]["calls_bytes"]
+    assert costs.sharded_dp_comm_bytes(P, 1, 1) == {}  # one rank: nothing to communicate
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: costs.sharded_dp_comm_bytes(-1, 2, 2), "param_bytes"),
+    (lambda: costs.sharded_dp_comm_bytes(100, 0, 2), "replicate"),
+    (lambda: costs.sharded_dp_comm_bytes(100, 2, 2.5), "shard"),
+    (lambda: costs.sharded_dp_comm_bytes(100, 2, 2, grad_bytes=-4), "grad_bytes"),
+])
+def test_sharded_dp_comm_bytes_rejects_bad_input_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -116,6 +116,27 @@ def test_a_functional_collective_wait_is_not_compute(tmp_path):
     assert (s.compute_us, s.comm_us, s.exposed_comm_us) == (28, 48, 30)
 
 
+def test_fsdp_regions_hold_waits_and_are_not_compute_but_their_copies_are(tmp_path):
+    # FSDP2 with an all-gather prefetched (async) while layer 0 computes [10,30]: layer 1's pre-forward waits for
+    # it inside FSDP::all_gather_copy_out [30,55] (Work.wait is not recorded) and copies out [50,55]; the autograd
+    # node around a pre-backward [60,95] is no compute either, only its matmul [85,95] is. The all-gather on gloo's
+    # thread [12,50]: hidden behind layer 0's matmul [12,30], exposed while waiting [30,50].
+    events = [step(0, 0, 100), ev("aten::mm", 10, 20),
+              ev("FSDP::pre_forward (1)", 30, 25, cat="user_annotation"),
+              ev("FSDP::all_gather_copy_out (1)", 30, 25, cat="user_annotation"), ev("aten::copy_", 50, 5),
+              ev("autograd::engine::evaluate_function: AddmmBackward0", 60, 35),
+              ev("FSDP::pre_backward (1)", 60, 20, cat="user_annotation"), ev("aten::mm", 85, 10),
+              ev("gloo:all_gather", 12, 38, tid=GLOO, cat="user_annotation"), gloo(80, 4)]
+    ra = analyze_trace(write_trace(tmp_path / "rank0.json", events))
+    (s,) = ra.steps
+    assert ra.intervals["compute"] == [(10, 30), (50, 55), (85, 95)]
+    assert (s.compute_us, s.comm_us, s.exposed_comm_us) == (35, 42, 24)
+    assert sorted(ra.comm_by_name) == ["gloo:all_gather", "gloo:all_reduce"]
+    assert ra.collective("gloo:all_gather") == [(38, 20)]
+    assert ra.collective("gloo:all_reduce") == [(4, 4)]
+    assert ra.collective("gloo:broadcast") == [(0, 0)]
+
+
 def test_communication_straddling_a_step_boundary_is_split_between_the_steps(tmp_path):
     events = [step(1, 0, 50), step(2, 50, 50), ev("aten::mm", 0, 45), ev("aten::mm", 55, 45), gloo(40, 20)]
     s1, s2 = analyze_trace(write_trace(tmp_path / "rank0.json", events)).steps

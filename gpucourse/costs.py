@@ -267,14 +267,16 @@ def simulate_pipeline(orders, durations):
     time the schedule itself costs, without a real machine's overheads: compare a measured timeline with it.
     Returns {rank: [(action, start, end)]}; raises ValueError on an order that can never finish.
     """
-    parsed = {}
+    parsed, seconds = {}, {}
     for rank, actions in orders.items():
         parsed[rank] = []
         for action in actions:
             match = _PIPE_ACTION.fullmatch(str(action))
             _require(match, f"action {action!r} of rank {rank}: expected <stage><F|B|I|W><micro-batch>, e.g. '0F1'")
-            _require(match[2] in durations, f"durations has no time for kind {match[2]!r} (action {action})")
+            _require(action in durations or match[2] in durations,
+                     f"durations has no time for kind {match[2]!r} (action {action})")
             parsed[rank].append((int(match[1]), match[2], int(match[3])))
+            seconds[(int(match[1]), match[2], int(match[3]))] = durations.get(action, durations.get(match[2]))
     last = max(s for acts in parsed.values() for s, _, _ in acts)
     done, free, out, head = {}, dict.fromkeys(parsed, 0.0), {r: [] for r in parsed}, dict.fromkeys(parsed, 0)
 
@@ -297,7 +299,7 @@ def simulate_pipeline(orders, durations):
             while head[rank] < len(acts) and (at := ready_at(*acts[head[rank]])) is not None:
                 stage, kind, mb = acts[head[rank]]
                 start = max(free[rank], at)
-                done[(stage, kind, mb)] = free[rank] = start + durations[kind]
+                done[(stage, kind, mb)] = free[rank] = start + seconds[(stage, kind, mb)]
                 out[rank].append((f"{stage}{kind}{mb}", start, free[rank]))
                 head[rank] += 1
                 progressed = True

@@ -253,6 +253,11 @@ def test_simulated_zero_bubble_sends_the_input_gradient_before_the_weight_gradie
     assert timeline[0][1] == ("0I0", 3, 4)  # starts as soon as stage 1's I is done, while stage 1 runs W
 
 
+def test_simulate_pipeline_takes_one_action_s_own_duration_before_its_kind_s():
+    timeline = simulate_pipeline({0: ["0F0", "0B0"], 1: ["1F0", "1B0"]}, {**UNIT, "1F0": 3.0})
+    assert timeline[1] == [("1F0", 1, 4), ("1B0", 4, 6)] and timeline[0][1] == ("0B0", 6, 8)
+
+
 def test_simulate_pipeline_rejects_orders_that_cannot_finish_and_bad_actions():
     with pytest.raises(ValueError, match="never finish"):
         simulate_pipeline({0: ["0B0", "0F0"], 1: ["1F0", "1B0"]}, UNIT)

@@ -37,6 +37,8 @@ from gpucourse import runtime
 # float64 results by ~1e-16 relative; 1e-10 leaves room for that and still catches any real mistake (a missing
 # 1/m scale or a lost micro-batch changes gradients by their own size, 1e-4 or more here).
 TOL = 1e-10
+# The schedules this script places stages for (get_schedule_class knows more: LoopedBFS, DualPipeV, ...).
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
 
 
 def make_model(n_blocks: int, width: int) -> nn.Sequential:
@@ -49,7 +51,7 @@ def stages_of(name: str, rank: int, p: int, v: int) -> list[int]:
     """The stage indices rank `rank` holds under schedule `name`, and so how many stages the model is cut into."""
     if issubclass(get_schedule_class(name), PipelineScheduleSingle):
         return [rank]                                  # p stages, one per rank
-    if name.lower() == "zbvzerobubble":
+    if name == "ZBVZeroBubble":
         return [rank, 2 * p - 1 - rank]                # the "V": down the ranks, then back up
     return [rank + k * p for k in range(v)]            # "loop": p·v stages, round robin
 
@@ -130,9 +132,8 @@ def run(name, full, ctx, args, m, x, y):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--schedules", nargs="+",
-                        default=["1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
-                        help="names for torch.distributed.pipelining.get_schedule_class")
+    parser.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES,
+                        help="names as torch.distributed.pipelining.schedules.get_schedule_class takes them")
     parser.add_argument("--micro", nargs="+", type=int, default=[1, 4, 8], help="micro-batch counts m")
     parser.add_argument("--virtual", type=int, default=2, help="stages per rank v of the interleaved schedules")
     parser.add_argument("--layers", type=int, default=1, help="Linear+Tanh blocks per stage of an interleaved schedule")
@@ -143,8 +144,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps per configuration; the last is profiled")
     args = parser.parse_args()
     for name in args.schedules:
-        get_schedule_class(name)  # an unknown name raises here, listing the valid ones
-        if name.lower() == "zbvzerobubble" and args.virtual != 2:
+        if name == "ZBVZeroBubble" and args.virtual != 2:
             parser.error(f"{name} needs exactly 2 stages per rank: pass --virtual 2 (got {args.virtual})")
     if args.virtual < 1 or min(args.micro) < 1:
         parser.error(f"--virtual {args.virtual} and --micro {args.micro} must be >= 1")

@@ -5,6 +5,7 @@ number *before* measuring it, so that a measurement that disagrees with the
 model tells you something. Sizes are in bytes, times in seconds.
 """
 import math
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -226,15 +227,87 @@ def zero_comm_volume(num_params, stage, bytes_per_elem=2):
 
 # --- 6. pipeline parallelism -------------------------------------------------
 
-def pipeline_bubble_fraction(p, m):
-    """Idle fraction of a GPipe/1F1B schedule: (p-1)/(m+p-1).
+def pipeline_bubble_fraction(p, m, v=1):
+    """Idle fraction of the step of a GPipe/1F1B schedule: (p-1)/(m+p-1); interleaved, (p-1)/(v*m+p-1).
 
     p stages, m micro-batches: p-1 slots to fill and drain the pipe out of
-    m+p-1 in total. More micro-batches shrink the bubble.
+    m+p-1 in total. More micro-batches shrink the bubble. With v stages per
+    rank (interleaved 1F1B, Narayanan et al. 2021) each slot is 1/v as long,
+    so the p-1 fill and drain slots cost (p-1)/v of a micro-batch's time.
     """
     _require(p >= 1, f"p (pipeline stages) must be >= 1, got {p}")
     _require(m >= 1, f"m (micro-batches) must be >= 1, got {m}")
-    return (p - 1) / (m + p - 1)
+    _require(v >= 1, f"v (stages per rank) must be >= 1, got {v}")
+    return (p - 1) / (v * m + p - 1)
+
+
+def pipeline_bubble_ratio(p, m, v=1):
+    """Bubble time over the ideal (bubble-free) step: (p-1)/m; interleaved, (p-1)/(v*m).
+
+    The same bubble as pipeline_bubble_fraction, measured against the work
+    instead of the whole step, as Narayanan et al. 2021 write it. For p = 4,
+    m = 4: 3/7 of the step is idle, which is 3/4 on top of the ideal step.
+    """
+    _require(p >= 1, f"p (pipeline stages) must be >= 1, got {p}")
+    _require(m >= 1, f"m (micro-batches) must be >= 1, got {m}")
+    _require(v >= 1, f"v (stages per rank) must be >= 1, got {v}")
+    return (p - 1) / (v * m)
+
+
+_PIPE_ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
+
+
+def simulate_pipeline(orders, durations):
+    """Replay each rank's pipeline actions in their order, with fixed durations and free communication.
+
+    orders: {rank: ["0F0", "0F1", "0B0", ...]}: <stage><kind><micro-batch>, kind F (forward), B (full
+    backward), I (backward to the input only) or W (backward to the weights). durations: {kind: seconds}.
+    An action starts when its rank is free and what it needs is done: F on stage s after F on s-1; B or I
+    on stage s after F on s and B or I on s+1 (the last stage's after its own F); W after I. This is the
+    time the schedule itself costs, without a real machine's overheads: compare a measured timeline with it.
+    Returns {rank: [(action, start, end)]}; raises ValueError on an order that can never finish.
+    """
+    parsed, seconds = {}, {}
+    for rank, actions in orders.items():
+        parsed[rank] = []
+        for action in actions:
+            match = _PIPE_ACTION.fullmatch(str(action))
+            _require(match, f"action {action!r} of rank {rank}: expected <stage><F|B|I|W><micro-batch>, e.g. '0F1'")
+            _require(action in durations or match[2] in durations,
+                     f"durations has no time for kind {match[2]!r} (action {action})")
+            parsed[rank].append((int(match[1]), match[2], int(match[3])))
+            seconds[(int(match[1]), match[2], int(match[3]))] = durations.get(action, durations.get(match[2]))
+    last = max(s for acts in parsed.values() for s, _, _ in acts)
+    done, free, out, head = {}, dict.fromkeys(parsed, 0.0), {r: [] for r in parsed}, dict.fromkeys(parsed, 0)
+
+    def ready_at(stage, kind, mb):
+        """When everything (stage, kind, mb) needs is done, or None if something is not done yet."""
+        if kind == "F":
+            needed = [(stage - 1, "F", mb)] if stage > 0 else []
+        elif kind == "W":
+            needed = [(stage, "I", mb)]
+        else:  # B or I: the stage's own forward, and the output's gradient from the next stage (B or I there)
+            needed = [(stage, "F", mb)]
+            if stage < last:
+                grad = [d for d in ((stage + 1, "B", mb), (stage + 1, "I", mb)) if d in done]
+                needed.append(grad[0] if grad else (stage + 1, "B or I", mb))
+        return max((done[d] for d in needed), default=0.0) if all(d in done for d in needed) else None
+
+    while any(head[r] < len(parsed[r]) for r in parsed):
+        progressed = False
+        for rank, acts in parsed.items():
+            while head[rank] < len(acts) and (at := ready_at(*acts[head[rank]])) is not None:
+                stage, kind, mb = acts[head[rank]]
+                start = max(free[rank], at)
+                done[(stage, kind, mb)] = free[rank] = start + seconds[(stage, kind, mb)]
+                out[rank].append((f"{stage}{kind}{mb}", start, free[rank]))
+                head[rank] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: "".join(map(str, parsed[r][head[r]])) for r in parsed if head[r] < len(parsed[r])}
+            raise ValueError(f"these orders can never finish: each rank waits on another ({stuck}); "
+                             "check the actions and that every stage's forward comes before its backward")
+    return out
 
 
 # --- 7. DDP step time ----------------------------------------------------------

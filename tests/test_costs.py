@@ -22,7 +22,9 @@ from gpucourse.costs import (
     ddp_step_time,
     fit_alpha_beta,
     pipeline_bubble_fraction,
+    pipeline_bubble_ratio,
     scaling_efficiency,
+    simulate_pipeline,
     zero_comm_volume,
     zero_memory_bytes,
 )
@@ -205,6 +207,64 @@ def test_pipeline_bubble_fraction():
     assert pipeline_bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert pipeline_bubble_fraction(8, 32) == pytest.approx(7 / 39)
     assert pipeline_bubble_fraction(1, 16) == 0.0
+    assert pipeline_bubble_fraction(2, 4, v=2) == pytest.approx(1 / 9)  # (p-1)/(v*m+p-1)
+    assert pipeline_bubble_fraction(4, 8, v=4) == pytest.approx(3 / 35)
+
+
+def test_pipeline_bubble_ratio_is_bubble_over_ideal_time():
+    assert pipeline_bubble_ratio(4, 4) == pytest.approx(3 / 4)  # 3/7 of the step = 3/4 of the ideal step
+    assert pipeline_bubble_ratio(2, 4, v=2) == pytest.approx(1 / 8)  # (p-1)/(v*m)
+    assert pipeline_bubble_ratio(1, 3) == 0.0
+
+
+UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def _step_and_busy(timeline):
+    step = max(end for acts in timeline.values() for _, _, end in acts)
+    return step, {r: sum(end - start for _, start, end in acts) for r, acts in timeline.items()}
+
+
+def test_simulated_gpipe_and_1f1b_take_m_plus_p_minus_1_slots():
+    gpipe = simulate_pipeline({0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1F1", "1B0", "1B1"]}, UNIT)
+    # stage 1 runs F0 at 1-2, F1 2-3, B0 3-5, B1 5-7; stage 0's B0 waits for it: 5-7, B1 7-9
+    assert gpipe[0] == [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 5, 7), ("0B1", 7, 9)]
+    assert gpipe[1] == [("1F0", 1, 2), ("1F1", 2, 3), ("1B0", 3, 5), ("1B1", 5, 7)]
+    one_f_one_b = simulate_pipeline({0: ["0F0", "0F1", "0B0", "0F2", "0B1", "0B2"],
+                                     1: ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2"]}, UNIT)
+    step, busy = _step_and_busy(one_f_one_b)
+    assert step == 12 and busy == {0: 9, 1: 9}  # (m+p-1)*3 = 12: idle 3/12 = (p-1)/(m+p-1)
+    assert one_f_one_b[0][2] == ("0B0", 4, 6)  # stage 1's B0 ran 2-4
+
+
+def test_simulated_interleaving_divides_the_bubble_by_v():
+    # p=2, v=2 (stages 0,2 on rank 0; 1,3 on rank 1), m=2, chunks half as long: F 0.5, B 1
+    half = {"F": 0.5, "B": 1.0}
+    timeline = simulate_pipeline({0: ["0F0", "0F1", "2F0", "2F1", "2B0", "2B1", "0B0", "0B1"],
+                                  1: ["1F0", "1F1", "3F0", "3B0", "3F1", "3B1", "1B0", "1B1"]}, half)
+    step, busy = _step_and_busy(timeline)
+    assert step == 7.5 and busy == {0: 6, 1: 6}  # idle 1.5 = (p-1)/(v*m) of the 6 units of work
+    assert timeline[1][3] == ("3B0", 2, 3)
+
+
+def test_simulated_zero_bubble_sends_the_input_gradient_before_the_weight_gradient():
+    timeline = simulate_pipeline({0: ["0F0", "0I0", "0W0"], 1: ["1F0", "1I0", "1W0"]}, UNIT)
+    assert timeline[1] == [("1F0", 1, 2), ("1I0", 2, 3), ("1W0", 3, 4)]
+    assert timeline[0][1] == ("0I0", 3, 4)  # starts as soon as stage 1's I is done, while stage 1 runs W
+
+
+def test_simulate_pipeline_takes_one_action_s_own_duration_before_its_kind_s():
+    timeline = simulate_pipeline({0: ["0F0", "0B0"], 1: ["1F0", "1B0"]}, {**UNIT, "1F0": 3.0})
+    assert timeline[1] == [("1F0", 1, 4), ("1B0", 4, 6)] and timeline[0][1] == ("0B0", 6, 8)
+
+
+def test_simulate_pipeline_rejects_orders_that_cannot_finish_and_bad_actions():
+    with pytest.raises(ValueError, match="never finish"):
+        simulate_pipeline({0: ["0B0", "0F0"], 1: ["1F0", "1B0"]}, UNIT)
+    with pytest.raises(ValueError, match="'0X1'"):
+        simulate_pipeline({0: ["0X1"]}, UNIT)
+    with pytest.raises(ValueError, match="'W'"):
+        simulate_pipeline({0: ["0F0", "0I0", "0W0"]}, {"F": 1, "I": 1})
 
 
 # --- DDP step -----------------------------------------------------------------
@@ -298,6 +358,8 @@ def test_ddp_step_with_no_gradients_or_one_rank_communicates_nothing():
     (lambda: zero_comm_volume(1e9, 5), "stage"),
     (lambda: pipeline_bubble_fraction(0, 4), r"\bp\b"),
     (lambda: pipeline_bubble_fraction(4, 0), r"\bm\b"),
+    (lambda: pipeline_bubble_fraction(4, 4, v=0), r"\bv\b"),
+    (lambda: pipeline_bubble_ratio(4, 0), r"\bm\b"),
     (lambda: ddp_step_time(0.1, 1e6, 4, 1e-5, 1e-9, bucket_bytes=0), "bucket_bytes"),
     (lambda: ddp_step_time(-0.1, 1e6, 4, 1e-5, 1e-9), "compute_s"),
     (lambda: ddp_step_time(0.1, 1e6, 4, 1e-5, 1e-9, backward_fraction=1.5), "backward_fraction"),

@@ -14,6 +14,7 @@ One rank is enough: precision is about what each rank holds and computes, whatev
             a residual r; gradient elements that underflow to zero, counted, against the same with the scaler.
 """
 import argparse
+import gc
 
 import torch
 from torch import nn
@@ -74,6 +75,7 @@ def run_recipe(recipe, args, device):
     """Train args.steps AdamW steps in `recipe`; count what the model states hold after the last step."""
     cuda = device.type == "cuda"
     if cuda:
+        gc.collect()  # the previous recipe's tensors are gone before the count starts, not freed during it
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()

@@ -206,7 +206,8 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--recipes", nargs="+", default=list(costs.MEASURED_RECIPES), choices=costs.MEASURED_RECIPES)
     parser.add_argument("--scaler-steps", type=int, default=20)
-    parser.add_argument("--init-scale", type=float, default=2.0**28, help="GradScaler's first scale (its default: 2^16)")
+    parser.add_argument("--init-scale", type=float, default=2.0**28,
+                        help="GradScaler's first scale (its default: 2^16)")
     parser.add_argument("--growth-interval", type=int, default=4, help="GradScaler's (default 2000)")
     parser.add_argument("--residuals", type=float, nargs="+", default=[1e-2, 1e-3, 1e-4])
     args = parser.parse_args()

@@ -156,6 +156,23 @@ def check_fsdp_memory(width: int = 2048, depth: int = 8):
     return ok, _failed_run(res) or text, figures, res
 
 
+def check_precision_recipes(width: int = 2048, depth: int = 8):
+    """Chapter 07's mixed-precision script on the GPU: each recipe's counted bytes (checked against the formula in
+    the run) beside torch.cuda.max_memory_allocated; fp16 autocast with GradScaler("cuda") skipping and halving."""
+    res = _launch(SCRIPTS / "07_precision.py", nproc=1, backend="nccl", name="gpucheck-precision-recipes",
+                  args=["--width", str(width), "--depth", str(depth)])
+    rows = [m for m in res.metrics.get(0, []) if m.get("part") == "recipe"]
+    parts = ("parameters", "gradients", "master_weights", "optimizer_states")
+    figures = {m["recipe"]: {"state_bytes": sum(m[p] for p in parts), "cuda_held": m.get("cuda_held"),
+                             "cuda_peak": m.get("cuda_peak"), "num_params": m["num_params"]} for m in rows}
+    skipped = sum(1 for m in res.metrics.get(0, []) if m.get("part") == "scaler" and m["overflow"])
+    figures["scaler_steps_skipped"] = skipped
+    ok = res.ok and len(rows) == 4 and all(figures[m["recipe"]]["cuda_peak"] for m in rows) and skipped > 0
+    text = "; ".join(f"{m['recipe']}: {figures[m['recipe']]['state_bytes'] / m['num_params']:g} B/parameter counted, "
+                     f"CUDA peak {(figures[m['recipe']]['cuda_peak'] or 0) / m['num_params']:.1f}" for m in rows)
+    return ok, _failed_run(res) or f"{text}; GradScaler skipped {skipped} step(s)", figures, res
+
+
 def check_capstone_mfu(d_model: int = 2048, layers: int = 8, heads: int = 16, context: int = 1024,
                        batch: int = 32, steps: int = 12):
     """The capstone GPT on one GPU in bf16: tokens/s, and MFU from gpucourse.costs (model FLOPs, dense peak)."""
@@ -235,7 +252,8 @@ def check_notebooks(smoke: bool = True, only: list[str] | None = None, output: P
 CHECKS = {"nccl_one_rank": check_nccl_one_rank, "gloo_ranks_share_a_gpu": check_gloo_ranks_share_a_gpu,
           "nccl_refused_beyond_gpus": check_nccl_refused_beyond_gpus, "cuda_trace": check_cuda_trace,
           "data_parallel": check_data_parallel, "bf16_autocast_ddp": check_bf16_autocast_ddp,
-          "fsdp_memory": check_fsdp_memory, "capstone_mfu": check_capstone_mfu, "notebooks": check_notebooks}
+          "fsdp_memory": check_fsdp_memory, "precision_recipes": check_precision_recipes,
+          "capstone_mfu": check_capstone_mfu, "notebooks": check_notebooks}
 
 
 def run_check(name: str, **kwargs) -> Outcome:

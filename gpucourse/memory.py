@@ -318,3 +318,61 @@ def transformer_layer_activation_bytes(s, b, h, a, *, bytes_per_element=2, dropo
         raise ValueError("Korthikanti's formula with dropout is for 16-bit activations (bytes_per_element=2); "
                          "for other widths pass dropout=False (dropout masks are 1 byte whatever the dtype)")
     return 2 * elements + (2 * s * b * h + a * s * s * b) + 2 * a * s * s * b
+
+
+# --- model states, counted: what a run holds after an optimizer step ------------------------------------------
+
+def _local_bytes(tensor):
+    """(storage address, bytes) this process holds for `tensor`: a DTensor (FSDP2) holds only its local shard."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage().data_ptr(), local.numel() * local.element_size()
+
+
+def model_state_bytes(params, optimizer, master=()) -> dict:
+    """Bytes the model states hold right now, counted from the tensors themselves (CPU or GPU alike).
+
+        model_state_bytes(model.parameters(), opt)                      # fp32, autocast, pure bf16
+        model_state_bytes(model.parameters(), opt, master=fp32_copies)  # mixed precision by hand
+
+    params: the parameters forward and backward use; master: fp32 copies the optimizer updates instead, if any;
+    optimizer: a torch.optim.Optimizer, whose per-parameter state (Adam's m and v...) is counted.
+    Returns bytes of {"parameters", "gradients" (of params and of master copies, where held), "master weights",
+    "optimizer states" (state tensors of their parameter's shape), "step counters" (a state named "step", or
+    of another shape: Adam keeps a one-element step per tensor - per tensor, not per parameter, so the
+    formulas leave it out)}.
+    Each storage is counted once, so a tensor that shows up twice (tied weights, a state aliasing a
+    parameter) is not counted twice; the first part it appears in, in the order above, gets it.
+    """
+    import torch
+
+    params, master = list(params), list(master)
+    for name, group in (("params", params), ("master", master)):
+        bad = [type(t).__name__ for t in group if not isinstance(t, torch.Tensor)]
+        if bad:
+            raise ValueError(f"{name} must hold tensors (e.g. model.parameters()), got {', '.join(bad)}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer (its state is what is counted), "
+                         f"got {type(optimizer).__name__}")
+    seen = set()
+    parts = dict.fromkeys(("parameters", "gradients", "master weights", "optimizer states", "step counters"), 0)
+
+    def add(part, tensor):
+        if tensor is None:
+            return
+        address, nbytes = _local_bytes(tensor)
+        if address not in seen:  # a zero-size tensor has address 0 and no bytes: harmless either way
+            seen.add(address)
+            parts[part] += nbytes
+
+    for p in params:
+        add("parameters", p)
+    for t in params + master:
+        add("gradients", t.grad)
+    for m in master:
+        add("master weights", m)
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                counter = key == "step" or value.shape != param.shape
+                add("step counters" if counter else "optimizer states", value)
+    return parts

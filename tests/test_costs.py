@@ -379,6 +379,51 @@ def test_module_imports_without_torch():
     assert out.stdout.strip() == "False"
 
 
+# --- mixed precision: bytes per parameter by recipe, FP8's modelled speedup --------------------------------------
+
+@pytest.mark.parametrize("recipe, optimizer, parts", [
+    ("fp32", "adamw", (4, 4, 0, 4 + 4)),          # the fp32 parameter is its own master
+    ("autocast", "adam", (4, 4, 0, 4 + 4)),        # autocast does not shrink the parameters
+    ("mixed", "adam", (2, 2, 4, 4 + 4)),           # the ZeRO paper's mixed-precision Adam: 16
+    ("bf16", "adamw", (2, 2, 0, 2 + 2)),           # bf16 m and v, no master: 8
+    ("fp8", "adam", (2 + 1, 2, 4, 4 + 4)),         # modelled: mixed + a 1-byte FP8 weight copy
+    ("mixed", "sgd_momentum", (2, 2, 4, 4)),
+    ("bf16", "sgd", (2, 2, 0, 0)),
+])
+def test_recipe_bytes_per_param_by_hand(recipe, optimizer, parts):
+    p, g, m, o = parts
+    assert costs.recipe_bytes_per_param(recipe, optimizer) == {
+        "parameters": p, "gradients": g, "master weights": m, "optimizer states": o, "total": p + g + m + o}
+
+
+def test_state_bytes_per_param_folds_the_master_into_the_optimizer_like_zero():
+    # the calculator's view of the same recipes: master copy + states = the paper's K
+    assert costs.state_bytes_per_param("adam", "mixed") == {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}
+    assert costs.state_bytes_per_param("adam", "fp32") == {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}
+    assert set(costs.MEASURED_RECIPES) == set(costs.RECIPES) - {"fp8"}
+
+
+def test_low_precision_speedup_is_amdahl_over_the_datasheet_ratio():
+    h100 = "NVIDIA H100 80GB HBM3"  # fp8 3958/2 and bf16 1979/2 dense TFLOP/s: a ratio of 2
+    assert costs.low_precision_speedup(0.8, h100) == pytest.approx(1 / (0.2 + 0.8 / 2))
+    assert costs.low_precision_speedup(0.0, h100) == 1.0               # no matrix products, nothing gained
+    assert costs.low_precision_speedup(1.0, h100) == pytest.approx(2.0)
+    assert costs.low_precision_speedup(0.5, h100, dtype="bf16", baseline="fp32") == pytest.approx(
+        1 / (0.5 + 0.5 * 67 / (1979 / 2)))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: costs.recipe_bytes_per_param("fp4"), "recipe"),
+    (lambda: costs.recipe_bytes_per_param("mixed", "lion"), "optimizer"),
+    (lambda: costs.state_bytes_per_param("adam", "bf16"), "precision"),
+    (lambda: costs.low_precision_speedup(1.2, "NVIDIA H100 80GB HBM3"), "gemm_fraction"),
+    (lambda: costs.low_precision_speedup(0.5, "Tesla T4"), "fp8"),     # T4 has no FP8: the table says so
+])
+def test_precision_costs_reject_bad_input_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
 # Dense peaks written out as each datasheet prints them (sparse figures halved), not read from the table.
 DATASHEET_DENSE_TFLOPS = {
     ("NVIDIA H100 80GB HBM3", "bf16"): 1979 / 2, ("NVIDIA H100 80GB HBM3", "tf32"): 989 / 2,

@@ -6,7 +6,8 @@ Expected values are written out as arithmetic, never computed with the function 
 import pytest
 
 from gpucourse import costs
-from gpucourse.memory import PARTS, gb, largest_model, memory_calculator, model_states, stages_table
+from gpucourse.memory import (PARTS, gb, largest_model, memory_calculator, model_state_bytes, model_states,
+                              stages_table)
 
 PSI, N = 7.5e9, 64  # the ZeRO paper's example: 7.5B parameters on 64 GPUs, mixed-precision Adam (K = 12)
 
@@ -52,6 +53,64 @@ def test_bytes_per_param_by_optimizer_and_precision(optimizer, precision, per_pa
     assert model_states(psi, n, 3, optimizer=optimizer, precision=precision)["total"] == pytest.approx(
         (p + g + o) * 1e6 / 4)
 
+
+
+# --- model states counted from the tensors (chapter 07's mixed-precision run checks its recipes with this) --------
+
+def _stepped(model, opt, master=()):
+    import torch
+
+    model(torch.randn(2, 4, dtype=next(model.parameters()).dtype)).float().sum().backward()
+    for m, p in zip(master, model.parameters()):
+        m.grad = p.grad.float()
+    opt.step()
+    return model, opt
+
+
+def test_model_state_bytes_of_fp32_adamw_by_hand():
+    import torch
+
+    model = torch.nn.Linear(4, 3)  # 12 + 3 = 15 parameters in 2 tensors
+    model, opt = _stepped(model, torch.optim.AdamW(model.parameters()))
+    assert model_state_bytes(model.parameters(), opt) == {
+        "parameters": 15 * 4, "gradients": 15 * 4, "master weights": 0, "optimizer states": 2 * 15 * 4,
+        "step counters": 2 * 4}
+
+
+def test_model_state_bytes_of_bf16_params_with_an_fp32_master_by_hand():
+    import torch
+
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    master = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
+    model, opt = _stepped(model, torch.optim.AdamW(master), master)
+    counted = model_state_bytes(model.parameters(), opt, master)
+    # the master's fp32 gradients are still held here: they count as gradients, 2 + 4 bytes each
+    assert counted == {"parameters": 15 * 2, "gradients": 15 * (2 + 4), "master weights": 15 * 4,
+                       "optimizer states": 2 * 15 * 4, "step counters": 2 * 4}
+    for m in master:
+        m.grad = None
+    assert model_state_bytes(model.parameters(), opt, master)["gradients"] == 15 * 2
+
+
+def test_model_state_bytes_counts_a_storage_once_and_sgd_states_by_shape():
+    import torch
+
+    layer = torch.nn.Linear(4, 4, bias=False)
+    twice = [layer.weight, layer.weight]  # a tied weight listed twice holds its memory once
+    opt = torch.optim.SGD(twice[:1], lr=0.1, momentum=0.9)
+    layer(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert model_state_bytes(twice, opt) == {"parameters": 16 * 4, "gradients": 16 * 4, "master weights": 0,
+                                             "optimizer states": 16 * 4, "step counters": 0}
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: model_state_bytes([1.0], __import__("torch").optim.SGD([__import__("torch").zeros(1)], lr=1)), "params"),
+    (lambda: model_state_bytes([], object()), "optimizer"),
+])
+def test_model_state_bytes_rejects_what_it_cannot_count(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 def test_offload_moves_optimizer_then_gradients_to_cpu():
     psi, n = 1e9, 8

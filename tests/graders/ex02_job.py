@@ -3,15 +3,19 @@
     ex02_job.py SUBMISSION.py [--case-limit SECONDS]
 
 test_ex02_ddp.py launches it through gpucourse.launch. Each rank logs one record per case through
-jobkit.record_writer (runtime.log's format; the tests read them from RunResult.metrics), for example
+jobkit.record_writer (runtime.log's format; the tests read them from RunResult.metrics) and saves the case's
+tensors raw; the rank judges nothing: the grader process recomputes every reference (one process on the full
+batch, rank 0's initial state, the module's own forward) from the functions below and compares. For example
 
-    {"case": "DDP-tied-adamw", "group": "equiv", "error": None, "max_diff": [3e-08, ...], "comm_bytes": [...]}
+    {"case": "DDP-tied-adamw", "group": "equiv", "error": None, "raw": ["params"], "names": [...],
+     "comm_bytes": [...], "trainable_bytes": 2112}
 
 Cases, for each of DDP and BucketedDDP:
   module      `.module` is the wrapped module; calling the wrapper runs its forward (with a keyword)
   rank0       rank 1's parameters and buffers are perturbed before wrapping: afterwards every rank holds rank 0's
-  equiv       N ranks on batch B reach the parameters one process reaches on the full batch N*B (mean loss),
-              step by step, with SGD and AdamW, for a model with a frozen parameter and one with tied weights
+  equiv       the parameters after each step of N ranks on batch B, against (in the grader) one process on the
+              full batch N*B (mean loss), with SGD and AdamW, for a model with a frozen parameter and one with tied
+              weights
   overlap     when every all_reduce started and every handle was waited for, against when backward reached
               the first layer and when it ended
   buckets     (BucketedDDP only) the bytes of every all_reduce, for a small and a large bucket_size_mb
@@ -21,8 +25,6 @@ how many bytes, whether asynchronous), torch's own DistributedDataParallel is re
 to run, what it prints is capped, and a watchdog ends the rank (after logging why) when a case takes longer
 than --case-limit: a deadlock or an endless loop costs the cases it breaks, not the grading run.
 """
-import argparse
-import copy
 import functools
 import time
 
@@ -110,11 +112,11 @@ def frozen_mlp() -> nn.Module:
     return net
 
 
-def equiv_setup(model: str):
-    """(a fresh model, the full batch, the loss function), identical on every rank."""
+def equiv_setup(model: str, world: int):
+    """(a fresh model, the full batch, the loss function), identical on every rank (and in the grader)."""
     torch.manual_seed(1)
     gen = torch.Generator().manual_seed(2)
-    n = LOCAL_BATCH * dist.get_world_size()
+    n = LOCAL_BATCH * world
     if model == "frozen":
         return frozen_mlp(), (torch.randn(n, 8, generator=gen), torch.randn(n, 4, generator=gen)), nn.MSELoss()
     return TiedLM(), (torch.randint(0, 32, (n,), generator=gen), torch.randint(0, 32, (n,), generator=gen)), \
@@ -143,23 +145,28 @@ def flat_state(net: nn.Module) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).double() for t in tensors])
 
 
-# --- the cases -----------------------------------------------------------------------------------
-def case_module(impls, guard, impl):
+def flat_params(net: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in net.parameters()])
+
+
+# --- the references, computed in the grader process (no process group) ------------------------------
+def module_case_inputs():
+    """(the module, its input) of the "module" case, as the rank builds them."""
     torch.manual_seed(3)
-    net, x = Scaled(), torch.randn(2, 8)
-    with guard.watching():
-        model = wrap(impls, impl, net, LARGE_BUCKET_MB)
-        out = model(x, scale=2.0)
-    expected = net(x, scale=2.0)
-    return {"module_is_net": getattr(model, "module", None) is net, "is_module": isinstance(model, nn.Module),
-            "forward_ok": isinstance(out, torch.Tensor) and out.shape == expected.shape
-            and torch.allclose(out, expected)}
+    return Scaled(), torch.randn(2, 8)
 
 
-def case_rank0(impls, guard, impl):
+def module_reference() -> torch.Tensor:
+    net, x = module_case_inputs()
+    with torch.no_grad():
+        return net(x, scale=2.0)
+
+
+def rank0_model(rank: int) -> nn.Module:
+    """The "rank0" case's model on `rank`: rank 0's initialisation, shifted on every other rank."""
     torch.manual_seed(4)
     net = WithBuffers()
-    if dist.get_rank() != 0:  # another initialisation on the other ranks: rank 0's must win
+    if rank != 0:  # another initialisation on the other ranks: rank 0's must win
         with torch.no_grad():
             for p in net.parameters():
                 p.add_(1.0)
@@ -167,47 +174,65 @@ def case_rank0(impls, guard, impl):
             net.net[1].running_var.mul_(2.0)
             net.net[1].num_batches_tracked.fill_(7)
             net.offset.add_(3.0)
-    rank0 = flat_state(net)
-    guard.dist.broadcast(rank0, src=0)
+    return net
+
+
+def state_names(net: nn.Module) -> tuple[list[str], list[int]]:
+    """The names and sizes of flat_state's pieces, in its order."""
+    pairs = [*net.named_parameters(), *net.named_buffers()]
+    return [n for n, _ in pairs], [t.numel() for _, t in pairs]
+
+
+def equiv_reference(model: str, optim: str, world: int) -> list[torch.Tensor]:
+    """flat_params after each of STEPS steps of one process on the whole batch: what every rank must reach."""
+    net, (x, y), loss_fn = equiv_setup(model, world)
+    opt, out = make_optimizer(optim, net.parameters()), []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        opt.step()
+        out.append(flat_params(net))
+    return out
+
+
+# --- the cases -----------------------------------------------------------------------------------
+def case_module(impls, guard, impl):
+    net, x = module_case_inputs()
+    with guard.watching():
+        model = wrap(impls, impl, net, LARGE_BUCKET_MB)
+        out = model(x, scale=2.0)
+    return {"module_is_net": getattr(model, "module", None) is net, "is_module": isinstance(model, nn.Module),
+            "returned": type(out).__name__,
+            "raw": {"out": out.detach() if isinstance(out, torch.Tensor) else None}}
+
+
+def case_rank0(impls, guard, impl):
+    net = rank0_model(dist.get_rank())
     with guard.watching():
         wrap(impls, impl, net, LARGE_BUCKET_MB)
-    names = [n for n, _ in net.named_parameters()] + [n for n, _ in net.named_buffers()]
-    tensors = [*net.parameters(), *net.buffers()]
-    wrong, offset = [], 0
-    for name, t in zip(names, tensors):
-        if not torch.equal(t.detach().reshape(-1).double(), rank0[offset:offset + t.numel()]):
-            wrong.append(name)
-        offset += t.numel()
-    return {"differs_from_rank0": wrong}
+    return {"raw": {"state": flat_state(net)}}
 
 
 def case_equiv(impls, guard, impl, model, optim):
-    net, (x, y), loss_fn = equiv_setup(model)
-    baseline = copy.deepcopy(net)  # deepcopy keeps the tie
-    frozen = {n: p.detach().clone() for n, p in net.named_parameters() if not p.requires_grad}
-    base_opt = make_optimizer(optim, baseline.parameters())
-    rank, world = dist.get_rank(), dist.get_world_size()
+    net, (x, y), loss_fn = equiv_setup(model, dist.get_world_size())
+    rank = dist.get_rank()
     mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
     with guard.watching():
         ddp = wrap(impls, impl, net, EQUIV_BUCKET_MB)
     opt = make_optimizer(optim, ddp.parameters())
-    max_diff, comm_bytes = [], []
+    params, comm_bytes = [], []
     for _ in range(STEPS):
-        base_opt.zero_grad()
-        loss_fn(baseline(x), y).backward()  # one process, the whole batch
-        base_opt.step()
         opt.zero_grad()
         with guard.watching():
-            loss_fn(ddp(x[mine]), y[mine]).backward()  # this rank's slice of it
+            loss_fn(ddp(x[mine]), y[mine]).backward()  # this rank's slice of the batch
             ddp.finish_gradient_synchronization()
         comm_bytes.append(sum(c["bytes"] for c in guard.calls))
         opt.step()
-        with torch.no_grad():
-            max_diff.append(max((a - b).abs().max().item()
-                                for a, b in zip(net.parameters(), baseline.parameters())))
-    moved = [n for n, p in net.named_parameters() if n in frozen and not torch.equal(p, frozen[n])]
-    return {"max_diff": max_diff, "comm_bytes": comm_bytes, "trainable_bytes": trainable_bytes(net),
-            "frozen_moved": moved, "tolerance": TOLERANCE, "world": world}
+        params.append(flat_params(net))
+    names = [n for n, _ in net.named_parameters()]
+    return {"comm_bytes": comm_bytes, "trainable_bytes": trainable_bytes(net), "names": names,
+            "sizes": [p.numel() for p in net.parameters()], "model": model, "optim": optim,
+            "world": dist.get_world_size(), "raw": {"params": torch.stack(params)}}
 
 
 def case_overlap(impls, guard, impl):
@@ -253,14 +278,15 @@ def case_buckets(impls, guard, bucket_mb):
         ddp.finish_gradient_synchronization()
     trainable = [p for p in unique_params(net) if p.requires_grad]
     buckets = getattr(ddp, "buckets", None)
-    ids = {id(p) for p in trainable}
-    listed = [id(p) for b in buckets for p in b] if isinstance(buckets, (list, tuple)) else None
+    index = {id(p): i for i, p in enumerate(unique_params(net))}
+    listed = ([[index.get(id(p), -1) for p in b] for b in buckets] if isinstance(buckets, (list, tuple))
+              else None)  # each bucket's parameters as positions in net.parameters(); -1: not one of them
     return {"bucket_mb": bucket_mb, "limit_bytes": bucket_mb * 2**20, "call_bytes": [c["bytes"] for c in guard.calls],
             "param_bytes": [p.numel() * p.element_size() for p in trainable], "params": len(trainable),
-            "trainable_bytes": trainable_bytes(net),
+            "trainable": [i for i, p in enumerate(unique_params(net)) if p.requires_grad],
+            "trainable_bytes": trainable_bytes(net), "bucket_params": listed,
             "bucket_bytes": None if listed is None else [sum(p.numel() * p.element_size() for p in b)
-                                                           for b in buckets],
-            "buckets_cover_params": listed is not None and sorted(listed) == sorted(ids)}
+                                                           for b in buckets]}
 
 
 def plan() -> list[tuple[str, str, object]]:
@@ -282,27 +308,24 @@ def plan() -> list[tuple[str, str, object]]:
     return cases
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("submission")
-    parser.add_argument("--case-limit", type=float, default=20.0)
-    args = parser.parse_args()
-    runtime.setup(seed=0)
-    log = jobkit.record_writer()  # before the submission is imported: see record_writer
-    guard, watchdog = Guard(comm_recorder.install()), jobkit.Watchdog(
-        "a deadlock (a handle waited on that the other rank never matched), an endless loop, or far too slow", log)
-    cases = plan()
-    log(case="plan", cases={case: group for case, group, _ in cases})
+class Ex02Job(jobkit.GradingJob):
+    """ex02's grading job: DDP and BucketedDDP on 2 ranks, torch's DDP refused."""
 
-    def ddp_used() -> dict:  # every record, the import's too, says whether torch's DDP was reached for
-        return {"ddp_used": guard.ddp_used}
+    name, wanted, case_limit = "ex02", IMPLS, 20.0
+    reason = "a deadlock (a handle waited on that the other rank never matched), an endless loop, or far too slow"
 
-    module = jobkit.import_or_exit(args.submission, "ex02", IMPLS, guard.watching, watchdog, args.case_limit, log,
-                                   fields=ddp_used)
-    impls = {name: getattr(module, name) for name in IMPLS}
-    jobkit.run_cases(cases, (impls, guard), watchdog, args.case_limit, args.submission, log, fields=ddp_used)
-    runtime.teardown()
+    def make_guard(self, comm) -> Guard:
+        return Guard(comm)
+
+    def plan(self) -> list[tuple]:
+        return plan()
+
+    def case_args(self, module) -> tuple:
+        return {name: getattr(module, name) for name in IMPLS}, self.guard
+
+    def fields(self) -> dict:  # every record, the import's too, says whether torch's DDP was reached for
+        return {"ddp_used": self.guard.ddp_used}
 
 
 if __name__ == "__main__":
-    main()
+    jobkit.main(Ex02Job)

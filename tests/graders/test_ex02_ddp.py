@@ -1,7 +1,8 @@
 """Grader of ex02: DDP and BucketedDDP, data parallelism written by hand (run it with `gpucourse grade ex02`).
 
-One real 2-rank job (ex02_job.py, through gpucourse.launch) runs every case on the submission; the
-tests below read its records. What is checked, for both classes:
+One real 2-rank job (ex02_job.py, through gpucourse.launch) runs every case on the submission and saves what it
+produced; the tests below compare it, here in the grader process, with references computed here from the job's
+own model and data functions. What is checked, for both classes:
 - the parameters match one process on the full batch, step by step (SGD and AdamW; a frozen parameter,
   tied weights), and every gradient byte is all-reduced exactly once (frozen: never);
 - rank 0's parameters and buffers win over rank 1's at construction;
@@ -13,15 +14,18 @@ tests below read its records. What is checked, for both classes:
 - torch's own DistributedDataParallel is not used (in the code, or at run time).
 """
 import ast
+import functools
 from pathlib import Path
 
 import pytest
+import torch
 
-from .job_records import JobRecords, check, launch_jobs
+from .job_records import JobRecords, check, job_module, launch_jobs, raw
 
 pytestmark = pytest.mark.grader
 
 JOB = Path(__file__).with_name("ex02_job.py")
+CASES = job_module(JOB)  # its models and data: the references are computed here
 WORLD = 2
 IMPLS = ("DDP", "BucketedDDP")
 CASE_LIMIT_S = 20
@@ -42,26 +46,52 @@ def module_problem(rec) -> str | None:
         return "the wrapper is not an nn.Module"
     if not rec["module_is_net"]:
         return "`.module` is not the module that was wrapped"
-    if not rec["forward_ok"]:
+    out, want = raw(rec)["out"], CASES.module_reference()
+    if out is None or out.shape != want.shape or not torch.allclose(out, want):
         return "calling the wrapper with (x, scale=2.0) did not return the module's forward(x, scale=2.0)"
     return None
 
 
+@functools.cache
+def rank0_reference() -> tuple[torch.Tensor, list[str], list[int]]:
+    net = CASES.rank0_model(0)
+    return (CASES.flat_state(net), *CASES.state_names(net))
+
+
 def rank0_problem(rec) -> str | None:
-    wrong = rec["differs_from_rank0"]
+    want, names, sizes = rank0_reference()
+    got = raw(rec)["state"]
+    if got.shape != want.shape:
+        return "after wrapping, the model's parameters and buffers changed size"
+    wrong = [name for name, a, b in zip(names, got.split(sizes), want.split(sizes)) if not torch.equal(a, b)]
     if wrong:
         return (f"after wrapping, {', '.join(wrong)} still differ(s) from rank 0's initial values: broadcast every "
                 f"parameter and buffer from rank 0 at construction")
     return None
 
 
+@functools.cache
+def equiv_reference(model: str, optim: str, world: int) -> list[torch.Tensor]:
+    return CASES.equiv_reference(model, optim, world)
+
+
 def equiv_problem(rec) -> str | None:
-    for step, diff in enumerate(rec["max_diff"], 1):
-        if not diff <= rec["tolerance"]:  # NaN is wrong too
+    want = equiv_reference(rec["model"], rec["optim"], rec["world"])
+    got = raw(rec)["params"]
+    if got.shape != (len(want), want[0].numel()):
+        return f"the parameters after each step have shape {tuple(got.shape)}, not {(len(want), want[0].numel())}"
+    for step, (mine, ref) in enumerate(zip(got, want), 1):
+        diff = (mine - ref).abs().max().item()
+        if not diff <= CASES.TOLERANCE:  # NaN is wrong too
             return (f"after step {step}, parameters differ from one process on the full batch by {diff:.2g} "
-                    f"(tolerance {rec['tolerance']:g}): average (sum / world size) the gradients, once each")
-    if rec["frozen_moved"]:
-        return f"the frozen parameter(s) {', '.join(rec['frozen_moved'])} changed"
+                    f"(tolerance {CASES.TOLERANCE:g}): average (sum / world size) the gradients, once each")
+    net = CASES.equiv_setup(rec["model"], rec["world"])[0]
+    frozen = {name for name, p in net.named_parameters() if not p.requires_grad}
+    moved = {name for mine in got for name, a, b in zip(rec["names"], mine.split(rec["sizes"]),
+                                                         want[0].split(rec["sizes"]))
+             if name in frozen and not torch.equal(a, b)}  # a frozen parameter never moves from its start
+    if moved:
+        return f"the frozen parameter(s) {', '.join(sorted(moved))} changed"
     return None
 
 
@@ -108,7 +138,8 @@ def bucket_problem(rec) -> str | None:
     if len(sizes) >= rec["params"]:
         return (f"{len(sizes)} all_reduce calls for {rec['params']} trainable parameters: a bucket is one "
                 f"flattened tensor holding several parameters' gradients")
-    if not rec["buckets_cover_params"]:
+    listed = rec["bucket_params"]
+    if listed is None or sorted(i for b in listed for i in b) != rec["trainable"]:
         return "self.buckets must list every trainable parameter exactly once (and no frozen one)"
     if any(b > limit and b not in alone for b in rec["bucket_bytes"]):
         return f"a bucket in self.buckets holds more than bucket_size_mb={rec['bucket_mb']:g}"

@@ -12,6 +12,8 @@ Cases, for each of DDP and BucketedDDP:
   rank0       rank 1's parameters and buffers are perturbed before wrapping: afterwards every rank holds rank 0's
   equiv       N ranks on batch B reach the parameters one process reaches on the full batch N*B (mean loss),
               step by step, with SGD and AdamW, for a model with a frozen parameter and one with tied weights
+  keep        zero_grad(set_to_none=False) (the .grad tensors kept and zeroed) and two backward + finish rounds
+              (half the local batch each) accumulated before every optimizer step: again one process's parameters
   overlap     when every all_reduce started and every handle was waited for, against when backward reached
               the first layer and when it ended
   buckets     (BucketedDDP only) the bytes of every all_reduce, for a small and a large bucket_size_mb
@@ -210,6 +212,39 @@ def case_equiv(impls, guard, impl, model, optim):
             "frozen_moved": moved, "tolerance": TOLERANCE, "world": world}
 
 
+def case_keep(impls, guard, impl):
+    """zero_grad(set_to_none=False), two micro-batches accumulated per step, each synchronised: the gradient the
+    optimizer sees is the sum of the two micro-batches' averages. A BucketedDDP whose .grad tensors are views
+    of its buckets sees them accumulated into in place here, never the new tensors of zero_grad's default."""
+    net, (x, y), loss_fn = equiv_setup("frozen")
+    baseline = copy.deepcopy(net)
+    frozen = {n: p.detach().clone() for n, p in net.named_parameters() if not p.requires_grad}
+    base_opt = torch.optim.SGD(baseline.parameters(), lr=0.1)
+    rank, world, half = dist.get_rank(), dist.get_world_size(), LOCAL_BATCH // 2
+    with guard.watching():
+        ddp = wrap(impls, impl, net, EQUIV_BUCKET_MB)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    max_diff = []
+    for _ in range(STEPS):
+        base_opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=False)
+        for micro in range(2):
+            # micro-batch `micro` of every rank: the samples rank r holds at offset micro * half of its slice
+            every = [r * LOCAL_BATCH + micro * half + i for r in range(world) for i in range(half)]
+            loss_fn(baseline(x[every]), y[every]).backward()  # one process: accumulates the two means
+            mine = slice(rank * LOCAL_BATCH + micro * half, rank * LOCAL_BATCH + (micro + 1) * half)
+            with guard.watching():
+                loss_fn(ddp(x[mine]), y[mine]).backward()
+                ddp.finish_gradient_synchronization()
+        base_opt.step()
+        opt.step()
+        with torch.no_grad():
+            max_diff.append(max((a - b).abs().max().item()
+                                for a, b in zip(net.parameters(), baseline.parameters())))
+    moved = [n for n, p in net.named_parameters() if n in frozen and not torch.equal(p, frozen[n])]
+    return {"max_diff": max_diff, "tolerance": TOLERANCE, "frozen_moved": moved, "world": world}
+
+
 def case_overlap(impls, guard, impl):
     torch.manual_seed(5)
     net = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), nn.ReLU())])
@@ -275,6 +310,8 @@ def plan() -> list[tuple[str, str, object]]:
             for optim in OPTIMIZERS:
                 cases.append((f"{impl}-{model}-{optim}", "equiv",
                               functools.partial(case_equiv, impl=impl, model=model, optim=optim)))
+    for impl in IMPLS:
+        cases.append((f"{impl}-keep", "keep", functools.partial(case_keep, impl=impl)))
     for impl in IMPLS:
         cases.append((f"{impl}-overlap", "overlap", functools.partial(case_overlap, impl=impl)))
     cases.append(("BucketedDDP-buckets-small", "buckets", functools.partial(case_buckets, bucket_mb=SMALL_BUCKET_MB)))

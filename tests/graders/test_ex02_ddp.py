@@ -4,6 +4,8 @@ One real 2-rank job (ex02_job.py, through gpucourse.launch) runs every case on t
 tests below read its records. What is checked, for both classes:
 - the parameters match one process on the full batch, step by step (SGD and AdamW; a frozen parameter,
   tied weights), and every gradient byte is all-reduced exactly once (frozen: never);
+- the same with zero_grad(set_to_none=False) and two backward + finish rounds accumulated per step (gradients
+  kept between steps: a BucketedDDP whose .grad are views of its buckets must divide them there too);
 - rank 0's parameters and buffers win over rank 1's at construction;
 - all_reduces start before backward reaches the first layer, asynchronously, and are not waited for until
   backward has ended (measured, not assumed);
@@ -65,6 +67,12 @@ def equiv_problem(rec) -> str | None:
     return None
 
 
+def keep_problem(rec) -> str | None:
+    why = equiv_problem(rec)
+    return why and (f"with zero_grad(set_to_none=False) and two backward + finish rounds per step, {why}; a .grad "
+                    f"that is still the tensor you set (a view of your bucket) must be averaged too")
+
+
 def comm_problem(rec) -> str | None:
     want = rec["trainable_bytes"]
     for step, got in enumerate(rec["comm_bytes"], 1):
@@ -123,6 +131,15 @@ def bucket_problem(rec) -> str | None:
 def test_matches_single_process(job, impl, model, optim):
     """2 ranks x 4 samples reach, after each of 3 steps, the parameters of one process on all 8 (mean loss)."""
     check(job, [f"{impl}-{model}-{optim}"], equiv_problem)
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_kept_and_accumulated(job, impl):
+    """zero_grad(set_to_none=False) keeps each .grad tensor (zeroed), and two backward + finish rounds on half
+    the local batch each accumulate into it before the step: the parameters still match one process, step by
+    step (SGD; the frozen model)."""
+    check(job, [f"{impl}-keep"], keep_problem)
 
 
 @pytest.mark.points(1)
@@ -190,7 +207,7 @@ def test_no_torch_ddp(job, submission):
     and at least the basic cases run (an empty submission earns nothing here)."""
     found = forbidden_uses(submission)
     assert not found, f"the submission uses PyTorch's own data parallelism: {found[0]}"
-    cases = [c for group in ("module", "rank0", "equiv", "overlap", "buckets") for c in job.cases(group)]
+    cases = [c for group in ("module", "rank0", "equiv", "keep", "overlap", "buckets") for c in job.cases(group)]
     used = [c for c in cases if any(rec.get("ddp_used") for rec in job.ranks(c))]
     assert not used, f"case {used[0]} called torch.nn.parallel.DistributedDataParallel"
     check(job, [f"{impl}-module" for impl in IMPLS], lambda rec: None)  # something must run

@@ -28,11 +28,11 @@ Rules
   produces their gradients) into buckets of at most `bucket_size_mb` MiB of gradient (a parameter larger
   than that gets a bucket of its own); all-reduce a bucket — one flattened tensor — as soon as all its
   gradients are ready; expose the grouping as `self.buckets` (a list of lists of parameters).
-- Make it as fast as torch's DDP with `gradient_as_bucket_view=True`: give each bucket one flat tensor, made
-  once, and make each `param.grad` a view into it. Autograd then accumulates straight into the bucket, which
-  is all-reduced in place: nothing is flattened or copied back. `optimizer.zero_grad()` sets `.grad` to None
-  (its default, set_to_none=True), and autograd then hands over a new tensor: copy it into the view and point
-  `.grad` back at the view. Both `zero_grad(set_to_none=False)` (the views kept and zeroed) and accumulating
+- Keep it as fast as torch's DDP the way torch's `gradient_as_bucket_view=True` does: give each bucket one
+  flat tensor, made once, and make each `param.grad` a view into it. Autograd then accumulates straight
+  into the bucket, which is all-reduced in place: nothing is flattened or copied back. `optimizer.zero_grad()`
+  sets `.grad` to None (its default, set_to_none=True), and autograd then hands over a new tensor: copy it
+  into the view and point `.grad` back at the view. Both `zero_grad(set_to_none=False)` (the views kept and zeroed) and accumulating
   several backward + finish rounds before `optimizer.step()` must give the same gradients as one process.
 - Do not use `torch.nn.parallel.DistributedDataParallel` (the grader checks).
 

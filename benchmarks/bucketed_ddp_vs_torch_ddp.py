@@ -1,6 +1,6 @@
 """The reference BucketedDDP (solutions/ex02_ddp.py) against torch's DistributedDataParallel: training throughput.
 
-    python benchmarks/bucketed_ddp_vs_torch_ddp.py [--nproc 2] [--hidden 1024] [--layers 6] [--bucket-mb 5]
+    python benchmarks/bucketed_ddp_vs_torch_ddp.py [--nproc 2] [--hidden 1024] [--layers 6] [--bucket-mb 5] [--impl F]
 
 Launches itself through gpucourse.launch (one real torchrun job). Every rank holds two copies of one MLP,
 from the same initial weights: one wrapped in torch's DDP (bucket_cap_mb), one in BucketedDDP
@@ -37,6 +37,8 @@ def parse_args():
     parser.add_argument("--bucket-mb", type=float, default=5.0, help="bucket size of both (about one layer)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (torch DDP rebuilds buckets)")
+    parser.add_argument("--impl", default=str(SOLUTION), help="the file whose BucketedDDP is timed (default: the "
+                        "reference solution; an older version or your own exercise work)")
     return parser.parse_args()
 
 
@@ -50,7 +52,7 @@ def worker(args) -> None:
 
     from gpucourse import runtime
 
-    spec = importlib.util.spec_from_file_location("ddp_solution", SOLUTION)
+    spec = importlib.util.spec_from_file_location("ddp_solution", args.impl)
     solution = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(solution)
     ctx = runtime.setup(seed=0)
@@ -98,10 +100,11 @@ def worker(args) -> None:
 def main(args) -> None:
     import gpucourse
 
+    # --nproc is not passed on to the ranks: torchrun would read it as its own (--nproc*)
     res = gpucourse.launch(__file__, nproc=args.nproc, name="bench-bucketed-ddp-vs-torch", timeout=600, live=False,
                            args=["--hidden", str(args.hidden), "--layers", str(args.layers), "--batch",
                                  str(args.batch), "--bucket-mb", str(args.bucket_mb), "--steps", str(args.steps),
-                                 "--warmup", str(args.warmup)])  # (torchrun reads --nproc*)
+                                 "--warmup", str(args.warmup), "--impl", str(Path(args.impl).resolve())])
     n = args.nproc
 
     def slowest_rank(key):
@@ -113,7 +116,7 @@ def main(args) -> None:
     samples = args.batch * n
     print(f"MLP {args.layers} x {args.hidden} ({mib:.1f} MiB of float32 parameters), {args.batch} samples per rank, "
           f"buckets of {args.bucket_mb:g} MiB, {n} ranks ({res.manifest['backend']}, {res.manifest['device']}), "
-          f"{args.steps} alternating steps")
+          f"{args.steps} alternating steps; ours from {args.impl}")
     print(f"{'':22}{'median step':>12}{'samples/s':>11}{'best step':>11}")
     for name, times in (("BucketedDDP (ours)", ours), ("torch DDP", theirs)):
         med = statistics.median(times)

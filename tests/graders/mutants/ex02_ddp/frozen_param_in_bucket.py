@@ -2,9 +2,9 @@
 
 A frozen parameter gets no gradient hook, so its bucket never counts as ready and is never all-reduced. Here
 finish_gradient_synchronization() notices and raises (a BucketedDDP without that check leaves the gradients
-in that bucket each rank's own): the frozen model's cases fail (SGD and AdamW), and so do the bytes test and
-the bucket tests (self.buckets lists a frozen parameter). The tied model and the overlap model have no frozen
-parameter; the keep case's frozen model is graded against the reference only by its own test.
+in that bucket each rank's own): the frozen model's cases fail (SGD and AdamW, and the keep case, which trains
+the same model), and so do the bytes test and the bucket tests (self.buckets lists a frozen parameter). The
+tied model and the overlap model have no frozen parameter.
 
 A copy of solutions/ex02_ddp.py with this one mistake (the lines marked `# MUTANT:`). tests/test_mutants.py
 grades it and checks that exactly the grader tests in MUST_FAIL lose their points, and that every other test
@@ -13,6 +13,7 @@ keeps them.
 MUST_FAIL = (
     'test_matches_single_process[BucketedDDP-frozen-sgd]',
     'test_matches_single_process[BucketedDDP-frozen-adamw]',
+    'test_gradients_kept_and_accumulated[BucketedDDP]',
     'test_each_gradient_reduced_once_frozen_never[BucketedDDP]',
     'test_buckets_respect_the_size_limit',
     'test_large_buckets_mean_few_all_reduces',

@@ -1,8 +1,9 @@
 """DDP sums the gradients over the ranks without dividing by the world size.
 
 With SGD the update is then world_size times too large and the parameters leave the single-process reference
-(the frozen and the tied model). AdamW divides by the gradient's own size, which hides a constant factor, so
-the AdamW cases keep their points: that is why the grader also trains with SGD.
+(the frozen and the tied model, and the keep case, which trains with SGD). AdamW divides by the gradient's own
+size, which hides a constant factor, so the AdamW cases keep their points: that is why the grader also trains
+with SGD.
 
 A copy of solutions/ex02_ddp.py with this one mistake (the lines marked `# MUTANT:`). tests/test_mutants.py
 grades it and checks that exactly the grader tests in MUST_FAIL lose their points, and that every other test
@@ -11,6 +12,7 @@ keeps them.
 MUST_FAIL = (
     'test_matches_single_process[DDP-frozen-sgd]',
     'test_matches_single_process[DDP-tied-sgd]',
+    'test_gradients_kept_and_accumulated[DDP]',
 )
 import torch
 import torch.distributed as dist

@@ -30,6 +30,12 @@ Rules
   produces their gradients) into buckets of at most `bucket_size_mb` MiB of gradient (a parameter larger
   than that gets a bucket of its own); all-reduce a bucket — one flattened tensor — as soon as all its
   gradients are ready; expose the grouping as `self.buckets` (a list of lists of parameters).
+- Keep it as fast as torch's DDP the way torch's `gradient_as_bucket_view=True` does: give each bucket one
+  flat tensor, made once, and make each `param.grad` a view into it. Autograd then accumulates straight
+  into the bucket, which is all-reduced in place: nothing is flattened or copied back. `optimizer.zero_grad()`
+  sets `.grad` to None (its default, set_to_none=True), and autograd then hands over a new tensor: copy it
+  into the view and point `.grad` back at the view. Both `zero_grad(set_to_none=False)` (the views kept and zeroed) and accumulating
+  several backward + finish rounds before `optimizer.step()` must give the same gradients as one process.
 - Do not use `torch.nn.parallel.DistributedDataParallel` (the grader checks).
 
 Check your work: `gpucourse grade ex02`.
@@ -64,7 +70,11 @@ class DDP(nn.Module):
 
 
 class BucketedDDP(nn.Module):
-    """Data parallelism with gradients flattened into buckets of at most `bucket_size_mb` MiB."""
+    """Data parallelism with the gradients living in flat buckets of at most `bucket_size_mb` MiB.
+
+    Each bucket is one flat tensor made once; each parameter's `.grad` is a view into its bucket (torch DDP's
+    `gradient_as_bucket_view`), so a bucket is all-reduced in place and no step copies gradients in and out.
+    """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float):
         super().__init__()
@@ -73,15 +83,15 @@ class BucketedDDP(nn.Module):
         self.buckets: list[list[nn.Parameter]] = []
         self._pending = []
         # YOUR CODE HERE
-        raise NotImplementedError("broadcast from rank 0; fill buckets from reversed(list(parameters())); hook each parameter")
+        raise NotImplementedError("broadcast from rank 0; fill buckets from reversed(list(parameters())); give each bucket one flat tensor and each parameter a view of its slice; hook each parameter")
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         # YOUR CODE HERE
-        raise NotImplementedError("count ready gradients per bucket; when a bucket is complete, flatten, divide and all_reduce it async")
+        raise NotImplementedError("make param.grad its bucket view (a new tensor: copy it in, then point .grad at the view) and divide it; when a bucket is complete, all_reduce its flat tensor async")
 
     def finish_gradient_synchronization(self) -> None:
         # YOUR CODE HERE
-        raise NotImplementedError("wait for each bucket, then copy the averaged slices back into each param.grad")
+        raise NotImplementedError("wait for each bucket's all_reduce; the gradients are views of the buckets, so they are then averaged")

@@ -16,6 +16,8 @@ Cases, for each of DDP and BucketedDDP:
   equiv       the parameters after each step of N ranks on batch B, against (in the grader) one process on the
               full batch N*B (mean loss), with SGD and AdamW, for a model with a frozen parameter and one with tied
               weights
+  keep        zero_grad(set_to_none=False) (the .grad tensors kept and zeroed) and two backward + finish rounds
+              (half the local batch each) accumulated before every optimizer step: again against one process
   overlap     when every all_reduce started and every handle was waited for, against when backward reached
               the first layer and when it ended
   buckets     (BucketedDDP only) the bytes of every all_reduce, for a small and a large bucket_size_mb
@@ -231,8 +233,51 @@ def case_equiv(impls, guard, impl, model, optim):
         params.append(flat_params(net))
     names = [n for n, _ in net.named_parameters()]
     return {"comm_bytes": comm_bytes, "trainable_bytes": trainable_bytes(net), "names": names,
-            "sizes": [p.numel() for p in net.parameters()], "model": model, "optim": optim,
+            "sizes": [p.numel() for p in net.parameters()], "model": model, "optim": optim, "reference": "equiv",
             "world": dist.get_world_size(), "raw": {"params": torch.stack(params)}}
+
+
+def keep_micro_batches(world: int, rank: int | None = None) -> list:
+    """The two micro-batches of a "keep" step: every rank's half slices (rank None: the whole batch's indices,
+    as one process sees them), or this rank's own."""
+    half = LOCAL_BATCH // 2
+    if rank is None:
+        return [[r * LOCAL_BATCH + m * half + i for r in range(world) for i in range(half)] for m in range(2)]
+    return [slice(rank * LOCAL_BATCH + m * half, rank * LOCAL_BATCH + (m + 1) * half) for m in range(2)]
+
+
+def keep_reference(world: int) -> list[torch.Tensor]:
+    """flat_params after each step of one process that accumulates the two micro-batches' mean losses (SGD)."""
+    net, (x, y), loss_fn = equiv_setup("frozen", world)
+    opt, out = torch.optim.SGD(net.parameters(), lr=0.1), []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=False)
+        for every in keep_micro_batches(world):
+            loss_fn(net(x[every]), y[every]).backward()
+        opt.step()
+        out.append(flat_params(net))
+    return out
+
+
+def case_keep(impls, guard, impl):
+    """zero_grad(set_to_none=False), two micro-batches accumulated per step, each synchronised: the gradient the
+    optimizer sees is the sum of the two micro-batches' averages. A BucketedDDP whose .grad tensors are views
+    of its buckets sees them accumulated into in place here, never the new tensors of zero_grad's default."""
+    world = dist.get_world_size()
+    net, (x, y), loss_fn = equiv_setup("frozen", world)
+    with guard.watching():
+        ddp = wrap(impls, impl, net, EQUIV_BUCKET_MB)
+    opt, params = torch.optim.SGD(ddp.parameters(), lr=0.1), []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=False)
+        for mine in keep_micro_batches(world, dist.get_rank()):
+            with guard.watching():
+                loss_fn(ddp(x[mine]), y[mine]).backward()
+                ddp.finish_gradient_synchronization()
+        opt.step()
+        params.append(flat_params(net))
+    return {"names": [n for n, _ in net.named_parameters()], "sizes": [p.numel() for p in net.parameters()],
+            "model": "frozen", "reference": "keep", "world": world, "raw": {"params": torch.stack(params)}}
 
 
 def case_overlap(impls, guard, impl):
@@ -301,6 +346,8 @@ def plan() -> list[tuple[str, str, object]]:
             for optim in OPTIMIZERS:
                 cases.append((f"{impl}-{model}-{optim}", "equiv",
                               functools.partial(case_equiv, impl=impl, model=model, optim=optim)))
+    for impl in IMPLS:
+        cases.append((f"{impl}-keep", "keep", functools.partial(case_keep, impl=impl)))
     for impl in IMPLS:
         cases.append((f"{impl}-overlap", "overlap", functools.partial(case_overlap, impl=impl)))
     cases.append(("BucketedDDP-buckets-small", "buckets", functools.partial(case_buckets, bucket_mb=SMALL_BUCKET_MB)))

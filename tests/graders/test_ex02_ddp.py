@@ -5,6 +5,8 @@ produced; the tests below compare it, here in the grader process, with reference
 own model and data functions. What is checked, for both classes:
 - the parameters match one process on the full batch, step by step (SGD and AdamW; a frozen parameter,
   tied weights), and every gradient byte is all-reduced exactly once (frozen: never);
+- the same with zero_grad(set_to_none=False) and two backward + finish rounds accumulated per step (gradients
+  kept between steps: a BucketedDDP whose .grad are views of its buckets must divide them there too);
 - rank 0's parameters and buffers win over rank 1's at construction;
 - all_reduces start before backward reaches the first layer, asynchronously, and are not waited for until
   backward has ended (measured, not assumed);
@@ -71,12 +73,13 @@ def rank0_problem(rec) -> str | None:
 
 
 @functools.cache
-def equiv_reference(model: str, optim: str, world: int) -> list[torch.Tensor]:
-    return CASES.equiv_reference(model, optim, world)
+def reference(kind: str, model: str, optim: str | None, world: int) -> list[torch.Tensor]:
+    """One process's parameters after each step: the "equiv" cases' or the "keep" cases' (accumulation)."""
+    return CASES.equiv_reference(model, optim, world) if kind == "equiv" else CASES.keep_reference(world)
 
 
 def equiv_problem(rec) -> str | None:
-    want = equiv_reference(rec["model"], rec["optim"], rec["world"])
+    want = reference(rec["reference"], rec["model"], rec.get("optim"), rec["world"])
     got = raw(rec)["params"]
     if got.shape != (len(want), want[0].numel()):
         return f"the parameters after each step have shape {tuple(got.shape)}, not {(len(want), want[0].numel())}"
@@ -93,6 +96,12 @@ def equiv_problem(rec) -> str | None:
     if moved:
         return f"the frozen parameter(s) {', '.join(sorted(moved))} changed"
     return None
+
+
+def keep_problem(rec) -> str | None:
+    why = equiv_problem(rec)
+    return why and (f"with zero_grad(set_to_none=False) and two backward + finish rounds per step, {why}; a .grad "
+                    f"that is still the tensor you set (a view of your bucket) must be averaged too")
 
 
 def comm_problem(rec) -> str | None:
@@ -154,6 +163,15 @@ def bucket_problem(rec) -> str | None:
 def test_matches_single_process(job, impl, model, optim):
     """2 ranks x 4 samples reach, after each of 3 steps, the parameters of one process on all 8 (mean loss)."""
     check(job, [f"{impl}-{model}-{optim}"], equiv_problem)
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_kept_and_accumulated(job, impl):
+    """zero_grad(set_to_none=False) keeps each .grad tensor (zeroed), and two backward + finish rounds on half
+    the local batch each accumulate into it before the step: the parameters still match one process, step by
+    step (SGD; the frozen model)."""
+    check(job, [f"{impl}-keep"], keep_problem)
 
 
 @pytest.mark.points(1)
@@ -221,7 +239,7 @@ def test_no_torch_ddp(job, submission):
     and at least the basic cases run (an empty submission earns nothing here)."""
     found = forbidden_uses(submission)
     assert not found, f"the submission uses PyTorch's own data parallelism: {found[0]}"
-    cases = [c for group in ("module", "rank0", "equiv", "overlap", "buckets") for c in job.cases(group)]
+    cases = [c for group in ("module", "rank0", "equiv", "keep", "overlap", "buckets") for c in job.cases(group)]
     used = [c for c in cases if any(rec.get("ddp_used") for rec in job.ranks(c))]
     assert not used, f"case {used[0]} called torch.nn.parallel.DistributedDataParallel"
     check(job, [f"{impl}-module" for impl in IMPLS], lambda rec: None)  # something must run

@@ -1,9 +1,10 @@
 """BucketedDDP puts frozen parameters in its buckets too: a bucket holding one waits forever for its gradient.
 
-A frozen parameter gets no gradient hook, so its bucket never counts as ready and is never all-reduced: the
-gradients in it stay each rank's own (the frozen model drifts from the reference, with SGD and AdamW), fewer
-bytes are all-reduced than the trainable parameters hold, and self.buckets lists a frozen parameter (the
-bucket tests). The tied model and the overlap model have no frozen parameter.
+A frozen parameter gets no gradient hook, so its bucket never counts as ready and is never all-reduced. Here
+finish_gradient_synchronization() notices and raises (a BucketedDDP without that check leaves the gradients
+in that bucket each rank's own): the frozen model's cases fail (SGD and AdamW, and the keep case, which trains
+the same model), and so do the bytes test and the bucket tests (self.buckets lists a frozen parameter). The
+tied model and the overlap model have no frozen parameter.
 
 A copy of solutions/ex02_ddp.py with this one mistake (the lines marked `# MUTANT:`). tests/test_mutants.py
 grades it and checks that exactly the grader tests in MUST_FAIL lose their points, and that every other test
@@ -12,6 +13,7 @@ keeps them.
 MUST_FAIL = (
     'test_matches_single_process[BucketedDDP-frozen-sgd]',
     'test_matches_single_process[BucketedDDP-frozen-adamw]',
+    'test_gradients_kept_and_accumulated[BucketedDDP]',
     'test_each_gradient_reduced_once_frozen_never[BucketedDDP]',
     'test_buckets_respect_the_size_limit',
     'test_large_buckets_mean_few_all_reduces',
@@ -60,7 +62,11 @@ class DDP(nn.Module):
 
 
 class BucketedDDP(nn.Module):
-    """Data parallelism with gradients flattened into buckets of at most `bucket_size_mb` MiB."""
+    """Data parallelism with the gradients living in flat buckets of at most `bucket_size_mb` MiB.
+
+    Each bucket is one flat tensor made once; each parameter's `.grad` is a view into its bucket (torch DDP's
+    `gradient_as_bucket_view`), so a bucket is all-reduced in place and no step copies gradients in and out.
+    """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float):
         super().__init__()
@@ -69,7 +75,7 @@ class BucketedDDP(nn.Module):
         self.buckets: list[list[nn.Parameter]] = []
         self._pending = []
         ### BEGIN SOLUTION
-        ### HINT: broadcast from rank 0; fill buckets from reversed(list(parameters())); hook each parameter
+        ### HINT: broadcast from rank 0; fill buckets from reversed(list(parameters())); give each bucket one flat tensor and each parameter a view of its slice; hook each parameter
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor, src=0)
@@ -84,7 +90,13 @@ class BucketedDDP(nn.Module):
             size += nbytes
         if current:
             self.buckets.append(current)
-        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._flat = [torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                      for bucket in self.buckets]
+        self._bucket_of, self._view = {}, {}
+        for index, (bucket, flat) in enumerate(zip(self.buckets, self._flat)):
+            for param, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
+                self._bucket_of[id(param)], self._view[id(param)] = index, piece.view_as(param)
+        self._names = {id(p): name for name, p in module.named_parameters()}
         self._ready = [0] * len(self.buckets)
         for param in module.parameters():
             if param.requires_grad:
@@ -96,25 +108,32 @@ class BucketedDDP(nn.Module):
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         ### BEGIN SOLUTION
-        ### HINT: count ready gradients per bucket; when a bucket is complete, flatten, divide and all_reduce it async
-        index = self._bucket_of[id(param)]
+        ### HINT: make param.grad its bucket view (a new tensor: copy it in, then point .grad at the view) and divide it; when a bucket is complete, all_reduce its flat tensor async
+        index, view = self._bucket_of[id(param)], self._view[id(param)]
+        if self._ready[index] == len(self.buckets[index]):
+            raise RuntimeError("BucketedDDP: a second backward reached a bucket whose all_reduce is still running; "
+                               "call finish_gradient_synchronization() after every backward")
+        world = dist.get_world_size()
+        if param.grad is view:  # autograd accumulated into the bucket itself
+            view.div_(world)  # gloo has no AVG: pre-divide, then sum
+        else:  # .grad was None (zero_grad's default), so autograd made a new tensor: copy it in, divided
+            torch.div(param.grad, world, out=view)
+            param.grad = view
         self._ready[index] += 1
-        bucket = self.buckets[index]
-        if self._ready[index] == len(bucket):
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket]).div_(dist.get_world_size())
-            self._pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
+        if self._ready[index] == len(self.buckets[index]):
+            self._pending.append(dist.all_reduce(self._flat[index], async_op=True))
         ### END SOLUTION
 
     def finish_gradient_synchronization(self) -> None:
         ### BEGIN SOLUTION
-        ### HINT: wait for each bucket, then copy the averaged slices back into each param.grad
-        for handle, flat, bucket in self._pending:
+        ### HINT: wait for each bucket's all_reduce; the gradients are views of the buckets, so they are then averaged
+        for handle in self._pending:
             handle.wait()
-            offset = 0
-            for param in bucket:
-                n = param.numel()
-                param.grad.copy_(flat[offset:offset + n].view_as(param.grad))
-                offset += n
         self._pending.clear()
-        self._ready = [0] * len(self.buckets)
+        counts, self._ready = self._ready, [0] * len(self.buckets)
+        if any(counts) and counts != [len(bucket) for bucket in self.buckets]:
+            missing = [self._names[id(p)] for bucket, n in zip(self.buckets, counts) if n < len(bucket) for p in bucket]
+            raise RuntimeError(f"BucketedDDP: the buckets holding {', '.join(missing)} did not get every gradient in "
+                               f"this backward, so they were never all-reduced: every trainable parameter must take "
+                               f"part in the loss (freeze the others with requires_grad_(False))")
         ### END SOLUTION

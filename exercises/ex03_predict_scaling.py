@@ -21,7 +21,9 @@ per step stays the same) and where communication starts to dominate. Write:
   message, one after the other. They can hide behind the BACKWARD pass only (the forward pass runs before any
   gradient exists), and the last bucket is ready only when backward ends:
       exposed = max(time of the last bucket, all buckets' time − m.backward_s)
-  (chapter 03, section 5; `gpucourse.costs.ddp_step_time` is this model: write it yourself here).
+  (chapter 03, section 5; `gpucourse.costs.ddp_step_time` with its default overlap_cost=0 is this model:
+  write it yourself here. Overlap is taken to be free, as on a GPU; the chapter measures what it costs on
+  CPU cores, where gloo's thread and compute share the cores).
 - `scaling_efficiency(m, world_sizes)`: {N: efficiency} for each N of `world_sizes`, in the order given.
   Weak scaling: efficiency(N) = throughput(N) / (N × throughput(1)) = compute / step(N) (1.0 on one rank).
 - `comm_bound_from(m, world_sizes)`: the world size where communication dominates: the smallest N of

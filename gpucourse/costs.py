@@ -321,8 +321,14 @@ class DDPStep:
     backward: float  # the part of compute that gradient all-reduces can hide behind, seconds
     comm: float      # total all-reduce time over all buckets
     exposed: float   # communication not hidden behind backward
-    step: float      # compute + exposed
+    step: float      # compute + exposed + overlap_penalty
     num_buckets: int
+    overlap_penalty: float = 0.0  # compute time lost to the hidden all-reduces (overlap_cost × hidden)
+
+    @property
+    def hidden(self):
+        """Communication that ran while backward computed."""
+        return self.comm - self.exposed
 
     @property
     def efficiency(self):
@@ -331,8 +337,8 @@ class DDPStep:
 
 
 def ddp_step_time(compute_s, grad_bytes, n, alpha, beta, *, bucket_bytes=25 * 2**20, overlap=True,
-                  backward_fraction=BACKWARD_FRACTION):
-    """A simple model of one DDP step: compute + exposed communication.
+                  backward_fraction=BACKWARD_FRACTION, overlap_cost=0.0):
+    """A simple model of one DDP step: compute + exposed communication (+ what overlap costs compute).
 
     Gradients are all-reduced in buckets (ring) as backward produces them, so
     with overlap they can hide behind the backward pass only: the forward pass
@@ -343,6 +349,15 @@ def ddp_step_time(compute_s, grad_bytes, n, alpha, beta, *, bucket_bytes=25 * 2*
     exposed = max(last bucket, comm - backward). Without overlap, all of comm
     is exposed.
 
+    overlap_cost says what hiding costs: the fraction of the hidden
+    communication's time that compute loses to it, so
+    step = compute + exposed + overlap_cost * (comm - exposed).
+    0 (the default) is free overlap, what NCCL on a GPU is expected to approach; 1 means
+    an all-reduce beside compute takes as long as one after it (gloo's thread
+    and compute sharing the same CPU cores). It is a property of the machine:
+    measure it apart from the steps you predict (chapter 03 times compute
+    alone, all-reduces alone and both at once).
+
     The buckets are `full` buckets of bucket_bytes plus a smaller remainder,
     timed in closed form: a trillion parameters in 1 MiB buckets costs the
     same to model as a million.
@@ -352,6 +367,8 @@ def ddp_step_time(compute_s, grad_bytes, n, alpha, beta, *, bucket_bytes=25 * 2*
     _require(bucket_bytes > 0, f"bucket_bytes must be > 0, got {bucket_bytes}")
     _require(0 <= backward_fraction <= 1, "backward_fraction must be between 0 and 1 (backward's share of "
                                           f"forward + backward, about 2/3), got {backward_fraction}")
+    _require(0 <= overlap_cost <= 1, "overlap_cost must be between 0 (overlap is free) and 1 (an all-reduce beside "
+                                     f"compute costs as much as one after it), got {overlap_cost}")
     full, rest = divmod(grad_bytes, bucket_bytes)
     t_full = collective_time("all_reduce", bucket_bytes, n, alpha, beta)
     t_rest = collective_time("all_reduce", rest, n, alpha, beta) if rest else 0.0
@@ -359,7 +376,9 @@ def ddp_step_time(compute_s, grad_bytes, n, alpha, beta, *, bucket_bytes=25 * 2*
     last = t_rest if rest else (t_full if full else 0.0)
     backward = backward_fraction * compute_s
     exposed = max(last, comm - backward) if overlap else comm
-    return DDPStep(compute_s, backward, comm, exposed, compute_s + exposed, int(full) + (1 if rest else 0))
+    penalty = overlap_cost * (comm - exposed)
+    return DDPStep(compute_s, backward, comm, exposed, compute_s + exposed + penalty,
+                   int(full) + (1 if rest else 0), penalty)
 
 
 def scaling_efficiency(single_step_s, step_s):

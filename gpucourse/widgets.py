@@ -35,16 +35,18 @@ WORLD_SIZES = [2**k for k in range(15)]  # 1 … 16384: the simulator's world-si
 
 # --- the model --------------------------------------------------------------------------------------
 def simulate(params_count, compute_s, world_sizes, alpha, beta, bucket_bytes=25 * 2**20, overlap=True, *,
-             bytes_per_param=4, batch_per_gpu=1, backward_fraction=costs.BACKWARD_FRACTION) -> list[dict]:
+             bytes_per_param=4, batch_per_gpu=1, backward_fraction=costs.BACKWARD_FRACTION,
+             overlap_cost=0.0) -> list[dict]:
     """Modelled DDP step at each world size N (weak scaling: the per-GPU batch and compute stay fixed).
 
     The model is costs.ddp_step_time, one call per N; this only turns parameters into gradient bytes and adds
     what the plots need. Per N: comm_s = all-reduce time of all gradient buckets (ring, α–β), exposed_s = the
     part backward does not hide (with overlap: the last bucket, or all comm beyond backward_fraction ×
-    compute_s; without: all of it), step_s = compute_s + exposed_s, throughput = N·batch_per_gpu / step_s
-    (samples/s), efficiency = throughput / (N × throughput at N=1) = compute_s / step_s, and comm_bound =
-    exposed_s > compute_s: more than half of every step is spent waiting for the network (efficiency below
-    50 %), so adding GPUs buys less than half a GPU each.
+    compute_s; without: all of it), penalty_s = overlap_cost × the hidden part (what running the all-reduces
+    beside compute costs compute; 0 by default: free overlap), step_s = compute_s + exposed_s + penalty_s,
+    throughput = N·batch_per_gpu / step_s (samples/s), efficiency = throughput / (N × throughput at N=1) =
+    compute_s / step_s, and comm_bound = exposed_s + penalty_s > compute_s: more than half of every step is
+    spent on communication (efficiency below 50 %), so adding GPUs buys less than half a GPU each.
     """
     _check_positive(params_count, "params_count", "the number of parameters, e.g. 25.6e6")
     _check_positive(compute_s, "compute_s", "seconds of forward + backward per step on one GPU")
@@ -60,10 +62,11 @@ def simulate(params_count, compute_s, world_sizes, alpha, beta, bucket_bytes=25 
     rows = []
     for n in sizes:
         m = costs.ddp_step_time(compute_s, grad_bytes, n, alpha, beta, bucket_bytes=bucket_bytes, overlap=overlap,
-                                backward_fraction=backward_fraction)
+                                backward_fraction=backward_fraction, overlap_cost=overlap_cost)
         rows.append({"world_size": n, "compute_s": compute_s, "backward_s": m.backward, "comm_s": m.comm,
-                     "exposed_s": m.exposed, "step_s": m.step, "throughput": n * batch_per_gpu / m.step,
-                     "efficiency": compute_s / m.step, "comm_bound": m.exposed > compute_s,
+                     "exposed_s": m.exposed, "penalty_s": m.overlap_penalty, "step_s": m.step,
+                     "throughput": n * batch_per_gpu / m.step, "efficiency": compute_s / m.step,
+                     "comm_bound": m.exposed + m.overlap_penalty > compute_s,
                      "buckets": m.num_buckets})
     return rows
 
@@ -233,7 +236,7 @@ class ScalingSimulator:
 
     measured: what this machine measured, to start from: compute_s, grad_bytes, alpha, beta (the α–β fit),
     and optionally backward_fraction (backward's share of compute_s; default costs.BACKWARD_FRACTION, 2/3),
-    batch (per rank), bucket_mb, efficiency ({N: measured efficiency}, drawn as dots with the
+    overlap_cost (what an all-reduce beside compute costs it, 0 … 1; default 0, free overlap), batch (per rank), bucket_mb, efficiency ({N: measured efficiency}, drawn as dots with the
     fitted α–β) and label (where it was measured, for the title).
     """
 
@@ -267,12 +270,15 @@ class ScalingSimulator:
         self.backward = w.FloatSlider(value=m.get("backward_fraction", costs.BACKWARD_FRACTION), min=0, max=1,
                                       step=1e-4, description="backward share of compute", readout_format=".2f",
                                       style=style, layout=wide)  # what overlap can hide behind
+        self.overlap_cost = w.FloatSlider(value=m.get("overlap_cost", 0.0), min=0, max=1, step=1e-4,
+                                          description="overlap cost", readout_format=".2f", style=style,
+                                          layout=wide)  # 0: hidden comm is free (GPU); 1: it costs compute fully
         self.batch = w.BoundedIntText(value=int(m.get("batch", 32)), min=1, max=1 << 20,
                                       description="batch per GPU", style=style)
         self.summary = w.HTML()
         self.out = w.Output()
         self.controls = [self.params, self.grad_dtype, self.compute_ms, self.world, self.interconnect,
-                         self.bucket_mb, self.overlap, self.backward, self.batch]
+                         self.bucket_mb, self.overlap, self.backward, self.overlap_cost, self.batch]
         self.widget = w.VBox([*self.controls, self.summary, self.out])
         self.rows: list[dict] = []
         self.figure = None
@@ -301,7 +307,8 @@ class ScalingSimulator:
         same = lambda a, b: math.isclose(a, b, rel_tol=1e-3)  # noqa: E731 - the slider may round its last digits
         return (self.interconnect.value == FITTED and "efficiency" in m
                 and same(self.params.value * self.grad_dtype.value, m.get("grad_bytes", 4 * 25.6e6))
-                and same(self.compute_ms.value, 1e3 * m.get("compute_s", 0.1)))
+                and same(self.compute_ms.value, 1e3 * m.get("compute_s", 0.1))
+                and same(self.overlap_cost.value, m.get("overlap_cost", 0.0)))
 
     def link(self) -> tuple[float, float, str]:
         """(alpha, beta, description) of the chosen interconnect."""
@@ -324,7 +331,7 @@ class ScalingSimulator:
         kwargs = dict(params_count=self.params.value, compute_s=self.compute_ms.value / 1e3, world_sizes=sizes,
                       alpha=alpha, beta=beta, bucket_bytes=self.bucket_mb.value * 2**20,
                       bytes_per_param=self.grad_dtype.value, batch_per_gpu=self.batch.value,
-                      backward_fraction=self.backward.value)
+                      backward_fraction=self.backward.value, overlap_cost=self.overlap_cost.value)
         self.rows = simulate(**kwargs, overlap=self.overlap.value)
         other = simulate(**kwargs, overlap=not self.overlap.value)
         on = "overlap on" if self.overlap.value else "overlap off"
@@ -341,10 +348,11 @@ class ScalingSimulator:
     def describe(self) -> str:
         """One paragraph (HTML) on the chosen curve: where it turns communication-bound, the largest N."""
         last, point = self.rows[-1], turning_point(self.rows)
-        turn = (f"communication-bound (exposed comm &gt; compute) from <b>N = {point}</b>" if point else
-                "compute-bound over the whole range (exposed comm ≤ compute)")
+        turn = (f"communication-bound (communication's cost &gt; compute) from <b>N = {point}</b>" if point else
+                "compute-bound over the whole range (communication's cost ≤ compute)")
+        penalty = f" + overlap cost {_time(last['penalty_s'])}" if last["penalty_s"] else ""
         return (f"<b>Modelled</b>: {turn}. At N = {last['world_size']}: step {_time(last['step_s'])} "
-                f"(compute {_time(last['compute_s'])} + exposed comm {_time(last['exposed_s'])}; "
+                f"(compute {_time(last['compute_s'])} + exposed comm {_time(last['exposed_s'])}{penalty}; "
                 f"all-reduce {_time(last['comm_s'])} in {last['buckets']} bucket(s)), "
                 f"efficiency <b>{100 * last['efficiency']:.0f} %</b>, {last['throughput']:.3g} samples/s.")
 

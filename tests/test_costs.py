@@ -326,6 +326,36 @@ def test_ddp_step_many_small_buckets_hide_behind_backward_only():
         pytest.approx(0.1)
 
 
+def test_ddp_step_overlap_cost_charges_the_hidden_communication():
+    # the 100-bucket case above: comm 0.1 s, backward 0.08 s, exposed 0.02 s, so 0.08 s ran hidden.
+    # overlap_cost 0.5: compute loses half of the hidden time, 0.04 s: step = 0.12 + 0.02 + 0.04 = 0.18
+    r = ddp_step_time(0.12, 10**8, 2, 0.0, 1e-9, bucket_bytes=10**6, overlap_cost=0.5)
+    assert r.exposed == pytest.approx(0.02) and r.hidden == pytest.approx(0.08)
+    assert r.overlap_penalty == pytest.approx(0.04)
+    assert r.step == pytest.approx(0.18)
+    assert r.efficiency == pytest.approx(0.12 / 0.18)
+    # overlap_cost 1 (compute and all-reduce share the cores): overlap buys nothing, the no-overlap step
+    full = ddp_step_time(0.12, 10**8, 2, 0.0, 1e-9, bucket_bytes=10**6, overlap_cost=1)
+    serial = ddp_step_time(0.12, 10**8, 2, 0.0, 1e-9, bucket_bytes=10**6, overlap=False)
+    assert full.step == pytest.approx(0.22) and serial.step == pytest.approx(0.22)
+    # the default, 0, is free overlap
+    assert ddp_step_time(0.12, 10**8, 2, 0.0, 1e-9, bucket_bytes=10**6).overlap_penalty == 0.0
+
+
+def test_ddp_step_overlap_cost_needs_something_hidden():
+    # one bucket (ready when backward ends) hides nothing, and neither does overlap=False: no penalty either way
+    one = ddp_step_time(0.12, 10**7, 2, 1e-4, 1e-9, bucket_bytes=25 * MiB, overlap_cost=1)
+    assert one.num_buckets == 1 and one.hidden == 0.0 and one.overlap_penalty == 0.0
+    assert one.step == pytest.approx(0.12 + 2e-4 + 1e-2)
+    off = ddp_step_time(0.12, 10**8, 2, 0.0, 1e-9, bucket_bytes=10**6, overlap=False, overlap_cost=0.7)
+    assert off.overlap_penalty == 0.0 and off.step == pytest.approx(0.22)
+    # comm longer than backward: only backward's worth hides, so only that is charged
+    # comm 0.1 s, compute 0.06 s, backward 0.04 s: exposed 0.06 s, hidden 0.04 s, cost 0.25 -> penalty 0.01 s
+    r = ddp_step_time(0.06, 10**8, 2, 0.0, 1e-9, bucket_bytes=10**6, overlap_cost=0.25)
+    assert r.exposed == pytest.approx(0.06) and r.overlap_penalty == pytest.approx(0.01)
+    assert r.step == pytest.approx(0.06 + 0.06 + 0.01)
+
+
 def test_ddp_step_buckets_in_closed_form_for_a_trillion_parameters():
     # 4e12 bytes in 1 MiB buckets: 3814697 full buckets + a remainder of 4e12 - 3814697 * 1048576 = 278528 B,
     # timed without a list of millions (alpha only, n = 2: 2 messages of 1e-6 s per bucket)
@@ -364,6 +394,8 @@ def test_ddp_step_with_no_gradients_or_one_rank_communicates_nothing():
     (lambda: ddp_step_time(-0.1, 1e6, 4, 1e-5, 1e-9), "compute_s"),
     (lambda: ddp_step_time(0.1, 1e6, 4, 1e-5, 1e-9, backward_fraction=1.5), "backward_fraction"),
     (lambda: ddp_step_time(0.1, 1e6, 4, 1e-5, 1e-9, backward_fraction=-0.1), "backward_fraction"),
+    (lambda: ddp_step_time(0.1, 1e6, 4, 1e-5, 1e-9, overlap_cost=1.5), "overlap_cost"),
+    (lambda: ddp_step_time(0.1, 1e6, 4, 1e-5, 1e-9, overlap_cost=-0.1), "overlap_cost"),
     (lambda: fit_alpha_beta([1, 2], [1e-3, 2e-3], n=1), r"\bn\b"),
     (lambda: scaling_efficiency(0, 1), "single_step_s"),
 ])

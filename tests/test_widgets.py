@@ -79,6 +79,24 @@ def test_simulate_is_costs_ddp_step_time_at_each_world_size():
                                       backward_fraction=share)
             assert row["step_s"] == pytest.approx(ref.step) and row["buckets"] == ref.num_buckets
             assert row["exposed_s"] == pytest.approx(ref.exposed)
+    # the overlap cost goes through to costs.ddp_step_time too, not through a copy of the model
+    for cost in (0.0, 0.4, 1.0):
+        row = simulate(1e7, 0.05, [8], 2e-5, 1 / (5 * GB), 2**20, backward_fraction=0.6, overlap_cost=cost)[0]
+        ref = costs.ddp_step_time(0.05, 4e7, 8, 2e-5, 1 / (5 * GB), bucket_bytes=2**20, backward_fraction=0.6,
+                                  overlap_cost=cost)
+        assert row["step_s"] == pytest.approx(ref.step) and row["penalty_s"] == pytest.approx(ref.overlap_penalty)
+
+
+def test_overlap_cost_can_turn_a_curve_communication_bound():
+    # 1e8 B of gradients in 1e6 B buckets, N = 2, α = 0, 1 GB/s: comm 0.1 s. compute 0.09 s, backward 0.08 s:
+    # exposed 0.02 s, hidden 0.08 s. Free overlap: 0.02 <= 0.09, compute-bound. overlap_cost 1: the hidden
+    # 0.08 s costs compute too, 0.02 + 0.08 = 0.1 > 0.09: communication-bound, efficiency 0.09 / 0.19 < 50 %
+    free = simulate(2.5e7, 0.09, [2], 0.0, 1e-9, bucket_bytes=10**6, backward_fraction=0.08 / 0.09)[0]
+    shared = simulate(2.5e7, 0.09, [2], 0.0, 1e-9, bucket_bytes=10**6, backward_fraction=0.08 / 0.09,
+                      overlap_cost=1.0)[0]
+    assert free["exposed_s"] == pytest.approx(0.02) and not free["comm_bound"] and free["penalty_s"] == 0.0
+    assert shared["penalty_s"] == pytest.approx(0.08) and shared["comm_bound"]
+    assert shared["efficiency"] == pytest.approx(0.09 / 0.19)
 
 
 def test_a_trillion_parameters_in_small_buckets_is_timed_in_closed_form(monkeypatch):
@@ -120,6 +138,19 @@ def test_simulator_starts_from_the_measurements_and_offers_the_fitted_link():
     assert [r["step_s"] for r in sim.rows] == pytest.approx([r["step_s"] for r in expected])
     assert FITTED not in scaling_simulator().interconnect.options  # nothing measured, nothing fitted
     assert sim.backward.value == pytest.approx(2 / 3)  # no backward share measured: the usual 2/3
+    assert sim.overlap_cost.value == 0.0  # no overlap cost measured: free overlap
+
+
+def test_simulator_charges_the_measured_overlap_cost():
+    sim = scaling_simulator({**MEASURED, "overlap_cost": 0.75, "bucket_mb": 1})
+    assert sim.overlap_cost.value == 0.75 and sim._at_measured_model()
+    expected = simulate(6_303_744 / 4, 0.04, [r["world_size"] for r in sim.rows], 3e-4, 1 / (0.5 * GB),
+                        2**20, True, batch_per_gpu=64, overlap_cost=0.75)
+    assert [r["step_s"] for r in sim.rows] == pytest.approx([r["step_s"] for r in expected])
+    assert sim.rows[1]["penalty_s"] > 0 and sim.rows[-1]["penalty_s"] > 0 and "+ overlap cost" in sim.describe()
+    free = sim.rows[1]["step_s"]
+    sim.overlap_cost.value = 0.0  # free overlap: a shorter step, and no longer the measured model
+    assert sim.rows[1]["step_s"] < free and not sim._at_measured_model()
 
 
 def test_simulator_hides_communication_behind_the_measured_backward_share():

@@ -9,7 +9,7 @@ Each trial's seconds on this rank are logged (trial, seconds). The notebook read
 
     overlap cost = (both - max(compute, comm)) / min(compute, comm)
 
-0 when the two run side by side for free (as NCCL kernels beside compute on a GPU nearly do), 1 when side by
+0 when the two run side by side for free (as NCCL kernels beside compute on a GPU are expected to), 1 when side by
 side takes as long as one after the other (here: gloo's thread and compute share the same CPU cores).
 No DDP step time goes into it: it is measured on its own, and the model of section 5 takes it as an input.
 """

@@ -4,22 +4,21 @@
 
 test_ex04_lr_schedule.py launches it through gpucourse.launch on 1, 2 and 4 ranks. Each rank sets up the
 schedule for its own job, as a training script would: per-rank batch B, so base batch B (one rank) and
-global batch world_size * B. It logs one record per case (jobkit.record_writer, in runtime.log's format);
-the tests compare the values with their own reference:
+global batch world_size * B. It logs one record per case (jobkit.record_writer, in runtime.log's format) with
+what the submission returned, raw; the rank judges nothing. The grader process takes each case's arguments from
+this script's own `plan` (never from the record) and computes the expected values itself:
 
-    {"case": "warmup", "group": "ramp", "fn": "warmup_lr", "kwargs": {...}, "steps": [0, 1, ...],
-     "values": [0.1, 0.13, ...], "error": None}
-    {"case": "invalid-base_lr-0", "group": "invalid-scaled", "fn": "scaled_lr", "kwargs": {...},
-     "raised": "ValueError", "value_error": True, "error": None}
+    {"case": "warmup", "group": "ramp", "values": [0.1, 0.13, ...], "error": None}
+    {"case": "invalid-scaled-base_lr-0", "group": "invalid-scaled", "raised": "ValueError",
+     "raised_types": ["ValueError", "Exception", ...], "message": "...", "error": None}
 
-The "ddp" case trains a small model with DistributedDataParallel for a few steps under the submission's
-scheduler and records the learning rate of every parameter group before each optimizer step. A case that
+The "ddp" cases train a small model with DistributedDataParallel for a few steps under the submission's
+scheduler and record the learning rate of every parameter group before each optimizer step. A case that
 runs longer than --case-limit (an endless loop) is reported and ends the rank; what the submission
 prints is capped.
 """
-import argparse
+import functools
 import math
-import os
 
 import torch
 from torch import nn
@@ -29,7 +28,6 @@ import jobkit  # beside this script: what every grading job shares
 from gpucourse import runtime
 
 FUNCTIONS = ("scaled_lr", "warmup_lr", "warmup_scheduler")
-SUBMISSION = [""]
 DDP_STEPS, DDP_WARMUP = 12, 4
 
 
@@ -47,7 +45,7 @@ def plan(world: int, batch: int) -> list[dict]:
 
     def invalid(fn, case, step=None, **kwargs):
         group = {"scaled_lr": "invalid-scaled", "warmup_lr": "invalid-warmup", "warmup_scheduler": "invalid-sched"}
-        return {"case": f"invalid-{case}", "group": group[fn], "fn": fn, "kwargs": kwargs, "step": step}
+        return {"case": f"{group[fn]}-{case}", "group": group[fn], "fn": fn, "kwargs": kwargs, "step": step}
 
     good = {"base_lr": 0.1, "base_batch": 32, "global_batch": 128, "warmup_steps": 5}
     cases = [
@@ -96,14 +94,12 @@ def plan(world: int, batch: int) -> list[dict]:
          "kwargs": dict(base_lr=0.05, warmup_steps=DDP_WARMUP, total_steps=DDP_STEPS, **ws),
          "steps": list(range(DDP_STEPS + 1)), "group_lr_ratio": [1.0, 0.1]},
     ]
+    names = [c["case"] for c in cases]
+    assert len(set(names)) == len(names), "every case needs a name of its own (records and raw files are by name)"
     return cases
 
 
-# --- running one case -------------------------------------------------------------------------------
-def one_line(err: BaseException) -> str:
-    return jobkit.one_line(err, SUBMISSION[0])
-
-
+# --- running one case (inside the rank: what the submission returned or raised, nothing judged) -------------
 def as_float(value) -> float | None:
     """A returned learning rate as a float for the record; None when it is not a real number."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -113,45 +109,50 @@ def as_float(value) -> float | None:
     return float(value)
 
 
-def run_sequence(module, case: dict) -> dict:
+def run_sequence(case: dict, module, guard) -> dict:
     fn = getattr(module, case["fn"])
     values = []
-    for step in case["steps"]:
-        value = fn(step, **case["kwargs"])
-        lr = as_float(value)
-        if lr is None:
-            raise TypeError(f"{case['fn']}(step={step}) returned a {type(value).__name__}, not a number")
-        values.append(lr)
+    with guard.watching():
+        for step in case["steps"]:
+            value = fn(step, **case["kwargs"])
+            lr = as_float(value)
+            if lr is None:
+                raise TypeError(f"{case['fn']}(step={step}) returned a {type(value).__name__}, not a number")
+            values.append(lr)
     return {"values": values}
 
 
-def run_scaled(module, case: dict) -> dict:
-    value = module.scaled_lr(**case["kwargs"])
+def run_scaled(case: dict, module, guard) -> dict:
+    with guard.watching():
+        value = module.scaled_lr(**case["kwargs"])
     lr = as_float(value)
     if lr is None:
         raise TypeError(f"scaled_lr returned a {type(value).__name__}, not a number")
     return {"values": [lr]}
 
 
-def run_invalid(module, case: dict) -> dict:
+def run_invalid(case: dict, module, guard) -> dict:
+    """What the call raised: its type's name and those it derives from (the grader decides whether that is a
+    ValueError), or None when it returned."""
     fn = getattr(module, case["fn"])
     try:
-        if case["fn"] == "scaled_lr":
-            fn(**case["kwargs"])
-        elif case["fn"] == "warmup_lr":
-            fn(case["step"], **case["kwargs"])
-        else:
-            fn(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), **case["kwargs"])
-    except ValueError as err:
-        return {"raised": type(err).__name__, "value_error": True, "message": str(err)[:200]}
+        with guard.watching():
+            if case["fn"] == "scaled_lr":
+                fn(**case["kwargs"])
+            elif case["fn"] == "warmup_lr":
+                fn(case["step"], **case["kwargs"])
+            else:
+                fn(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), **case["kwargs"])
     except Exception as err:  # noqa: BLE001 - the wrong exception is a wrong answer, not a grader crash
-        return {"raised": one_line(err), "value_error": False}
-    return {"raised": None, "value_error": False}
+        return {"raised": type(err).__name__, "raised_types": [c.__name__ for c in type(err).__mro__],
+                "message": jobkit.one_line(err, guard.submission)}
+    return {"raised": None, "raised_types": []}
 
 
-def run_ddp(module, case: dict, ctx) -> dict:
+def run_ddp(case: dict, module, guard) -> dict:
     """Real DDP steps under the submission's scheduler: every group's lr at each step in case["steps"]
     (len(steps) - 1 optimizer steps; the last value is what a next step would use)."""
+    ctx = runtime.context()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to(ctx.device)
     model = DDP(net)
@@ -159,7 +160,8 @@ def run_ddp(module, case: dict, ctx) -> dict:
     groups = [{"params": net[0].parameters(), "lr": base_lr * case["group_lr_ratio"][0]},
               {"params": net[2].parameters(), "lr": base_lr * case["group_lr_ratio"][1]}]
     opt = torch.optim.SGD(groups, lr=base_lr, momentum=0.9)
-    sched = module.warmup_scheduler(opt, **case["kwargs"])
+    with guard.watching():
+        sched = module.warmup_scheduler(opt, **case["kwargs"])
     if not hasattr(sched, "step"):
         raise TypeError(f"warmup_scheduler returned a {type(sched).__name__}, not an LR scheduler")
     gen = torch.Generator().manual_seed(100 + ctx.rank)  # each rank its own batch, as in data parallelism
@@ -169,57 +171,47 @@ def run_ddp(module, case: dict, ctx) -> dict:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device)).backward()
         opt.step()
-        sched.step()
+        with guard.watching():
+            sched.step()
         lrs.append([float(g["lr"]) for g in opt.param_groups])  # the next step's
     return {"group_lrs": lrs}
 
 
-def run_case(module, case: dict, ctx) -> dict:
-    record = {key: case[key] for key in ("case", "group", "fn", "kwargs") if key in case}
-    record.update({k: case[k] for k in ("steps", "step", "group_lr_ratio") if k in case})
-    record["kwargs"] = {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v)
-                        for k, v in case["kwargs"].items()}  # JSON has no nan/inf
-    try:
-        if case["group"].startswith("invalid"):
-            record.update(run_invalid(module, case))
-        elif case["group"] == "scaled":
-            record.update(run_scaled(module, case))
-        elif case["group"] == "ddp":
-            record.update(run_ddp(module, case, ctx))
-        else:
-            record.update(run_sequence(module, case))
-        record["error"] = None
-    except BaseException as err:  # noqa: BLE001 - SystemExit and friends are the submission's bugs too
-        record["error"] = one_line(err)
-    return record
+def runner(case: dict):
+    """The function that runs `case`, chosen when the plan is made (before the submission is imported)."""
+    if case["group"].startswith("invalid"):
+        return run_invalid
+    return {"scaled": run_scaled, "ddp": run_ddp}.get(case["group"], run_sequence)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("submission")
-    parser.add_argument("--batch-per-rank", type=int, default=32)
-    parser.add_argument("--case-limit", type=float, default=10.0)
-    args = parser.parse_args()
-    SUBMISSION[0] = os.path.abspath(args.submission)
-    ctx = runtime.setup(seed=0)
-    # The first optimizer a process creates imports torch's compiler stack (5 s or more on a busy machine):
-    # pay for it here, not inside a case's time limit.
-    torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), lambda _: 1.0)
-    log = jobkit.record_writer()  # before the submission is imported: see record_writer
-    watchdog, capped = jobkit.Watchdog("an endless loop, or far too slow", log), jobkit.CappedOutput()
-    cases = plan(ctx.world_size, args.batch_per_rank)
-    log(case="plan", cases={c["case"]: c["group"] for c in cases}, world_size=ctx.world_size,
-        batch_per_rank=args.batch_per_rank)
-    module = jobkit.import_or_exit(args.submission, "ex04", FUNCTIONS, capped.capturing, watchdog, args.case_limit,
-                                   log)
-    for case in cases:
-        with watchdog.case_limit(case["case"], case["group"], args.case_limit):
-            with capped.capturing():
-                record = run_case(module, case, ctx)
-            log(**record)
-    log(case="done")
-    runtime.teardown()
+class Ex04Job(jobkit.GradingJob):
+    """ex04's grading job: the schedule's values, its refusals and a few DDP steps, for this world size."""
+
+    name, wanted = "ex04", FUNCTIONS
+    case_limit = 10.0
+
+    def options(self, parser) -> None:
+        parser.add_argument("--batch-per-rank", type=int, default=32)
+
+    def prepare(self) -> None:
+        # The first optimizer a process creates imports torch's compiler stack (5 s or more on a busy machine):
+        # pay for it here, not inside a case's time limit.
+        torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), lambda _: 1.0)
+
+    def make_guard(self, comm) -> jobkit.Guard:
+        guard = jobkit.Guard(comm)
+        guard.submission = self.submission  # tracebacks are reported at the submission's own lines
+        return guard
+
+    def plan(self) -> list[tuple]:
+        # Each case's runner is bound now, before the import: a submission that rebinds this module's functions
+        # changes nothing that runs.
+        return [(case["case"], case["group"], functools.partial(runner(case), case))
+                for case in plan(self.ctx.world_size, self.args.batch_per_rank)]
+
+    def plan_fields(self) -> dict:
+        return {"batch_per_rank": self.args.batch_per_rank}
 
 
 if __name__ == "__main__":
-    main()
+    jobkit.main(Ex04Job)

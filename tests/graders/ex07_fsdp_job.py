@@ -2,44 +2,41 @@
 
     ex07_fsdp_job.py SUBMISSION.py [--case-limit SECONDS]
 
-test_ex07_fsdp.py launches it on 1, 2 and 4 ranks. Each rank logs one record per case, e.g.
+test_ex07_fsdp.py launches it on 1, 2 and 4 ranks. Each rank logs one record per case and saves what the
+submission produced raw; the rank judges nothing. The grader process trains the unwrapped model in one process
+itself (`reference`) and compares, e.g.
 
-    {"case": "mlp", "group": "equiv", "max_diff": [3e-8, ...], "ops": {"all_gather_into_tensor": [12, 4096], ...}}
+    {"case": "mlp", "group": "equiv", "raw": ["full"], "ops": [{"all_gather_into_tensor": [12, 4096], ...}, ...]}
 
 Cases:
-  mlp, tied    N ranks on their slices of a batch of 8 (mean loss) vs one process training the unwrapped model
-               with AdamW (mlp-sgd: SGD, which, unlike Adam, notices unaveraged gradients) on all 8, compared
-               through gather_full_params() after each of 3 steps; the layer
+  mlp, tied    N ranks on their slices of a batch of 8 (mean loss); gather_full_params() after each of 3 steps is
+               saved raw, for the grader to compare with one process training the unwrapped model with AdamW
+               (mlp-sgd: SGD, which, unlike Adam, notices unaveraged gradients) on all 8; the layer
                sizes are not multiples of 4 (padding); tied: an embedding shared with the output layer.
                The collectives of forward + backward + finish_gradient_synchronization are recorded.
-  memory       4 layers of 128x128: the bytes of the wrapper's parameters (the shards) against the full model,
-               tensors the wrapper holds besides them, and every tensor of at least one full weight's size
-               created from forward to the end of finish_gradient_synchronization (a TorchDispatchMode keeps
-               weak references): how many bytes of them are still alive after forward, and after finishing.
+  memory       4 layers of 128x128: the bytes of the wrapper's parameters (the shards), tensors the wrapper holds
+               besides them, and every tensor of at least one full weight's size created from forward to the end
+               of finish_gradient_synchronization (a TorchDispatchMode keeps weak references): how many bytes of
+               them are still alive after forward, and after finishing.
   bf16         compute_dtype=torch.bfloat16, SGD: the dtype a layer sees, the shards' and gradients' dtype, and the
-               distance from the fp32 single-process reference after 3 steps.
+               full parameters after each of 3 steps (the grader compares them with the fp32 one-process run).
 """
-import argparse
-import copy
 import functools
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
 from ex07_job_guard import CollectiveGuard, held_tensor_bytes
-from gpucourse import runtime
 
 STEPS = 3
 GLOBAL_BATCH = 8
-TOLERANCE = 1e-5
-BF16_TOLERANCE = 1e-2  # bf16 keeps ~3 significant digits: SGD steps from weights ~0.3 stay well within this
 WHY = "write the sharding yourself"
 FORBID = {"torch.distributed.fsdp:fully_shard": WHY, "torch.distributed.fsdp:FullyShardedDataParallel": WHY,
           "torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel": WHY,
           "torch.distributed._composable.fsdp:fully_shard": WHY}
+WEIGHT_BYTES = 128 * 128 * 4  # one full weight of the memory case's model
 
 
 # --- models -----------------------------------------------------------------------------------------
@@ -71,17 +68,29 @@ def build(model: str) -> nn.Module:
     return mlp()
 
 
-# --- the cases ----------------------------------------------------------------------------------------
+# --- the reference (in the grader process) and the cases (in the rank) ---------------------------------------
 def make_optimizer(name: str, params):
     # SGD as well as AdamW: Adam divides by the gradient's size, so it hides a gradient not averaged over ranks
     return torch.optim.AdamW(params, lr=1e-2) if name == "adamw" else torch.optim.SGD(params, lr=0.1)
 
 
-def train(FSDP, guard, model: str, optim: str = "adamw", compute_dtype=None):
-    """STEPS steps of FSDP on this rank's slice vs the optimizer on the unwrapped model on the whole batch."""
+def reference(model: str, optim: str = "adamw") -> list[dict]:
+    """One process, the unwrapped model on the whole batch: {name: parameter} after each of STEPS steps."""
     net = build(model)
-    ref = copy.deepcopy(net)
-    names = [n for n, _ in ref.named_parameters()]
+    x, y, loss_fn = data(model)
+    opt = make_optimizer(optim, net.parameters())
+    out = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        opt.step()
+        out.append({n: p.detach().clone() for n, p in net.named_parameters()})
+    return out
+
+
+def train(FSDP, guard, model: str, optim: str = "adamw", compute_dtype=None):
+    """STEPS steps of FSDP on this rank's slice; gather_full_params() after each, saved raw."""
+    net = build(model)
     x, y, loss_fn = data(model)
     rank, world = dist.get_rank(), dist.get_world_size()
     local = GLOBAL_BATCH // world
@@ -93,12 +102,9 @@ def train(FSDP, guard, model: str, optim: str = "adamw", compute_dtype=None):
     with guard.watching():
         fsdp = FSDP(net) if compute_dtype is None else FSDP(net, compute_dtype=compute_dtype)
     shards = list(fsdp.parameters())
-    opt, ref_opt = make_optimizer(optim, shards), make_optimizer(optim, ref.parameters())
-    max_diff, ops, missing = [], [], []
+    opt = make_optimizer(optim, shards)
+    gathered, ops = [], []
     for _ in range(STEPS):
-        ref_opt.zero_grad()
-        loss_fn(ref(x), y).backward()
-        ref_opt.step()
         opt.zero_grad()
         with guard.watching():
             loss_fn(fsdp(x[mine]), y[mine]).backward()
@@ -107,21 +113,17 @@ def train(FSDP, guard, model: str, optim: str = "adamw", compute_dtype=None):
         opt.step()
         with guard.watching():
             full = fsdp.gather_full_params()
-        missing = [n for n in names if n not in full]
-        if missing:
-            break
-        with torch.no_grad():
-            max_diff.append(max((full[n].float() - p).abs().max().item() for n, p in ref.named_parameters()))
-    return {"max_diff": max_diff, "missing": missing, "ops": ops, "world": world, "seen": seen,
+        if not isinstance(full, dict):
+            raise TypeError(f"gather_full_params() returned a {type(full).__name__}, not a dict of name: tensor")
+        gathered.append({str(n): t.detach().clone() if isinstance(t, torch.Tensor) else torch.full((0,), torch.nan)
+                         for n, t in full.items()})
+    return {"raw": {"full": gathered}, "ops": ops, "seen": seen,
             "shard_dtypes": sorted({str(p.dtype) for p in shards}),
-            "grad_dtypes": sorted({str(p.grad.dtype) for p in shards if p.grad is not None}),
-            "tolerance": TOLERANCE if compute_dtype is None else BF16_TOLERANCE,
-            "full_bytes": sum(p.numel() * 4 for p in ref.parameters())}
+            "grad_dtypes": sorted({str(p.grad.dtype) for p in shards if p.grad is not None})}
 
 
 def case_memory(FSDP, guard):
     net = build("memory")
-    full_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     x, y, loss_fn = data("memory")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = GLOBAL_BATCH // world
@@ -144,38 +146,39 @@ def case_memory(FSDP, guard):
         records[step] = (after_forward, after_finish)
     state = [{k: v for k, v in vars(m).items() if k != "_modules"} for m in fsdp.modules()]
     extra = held_tensor_bytes(state, exclude=shards + [p.grad for p in shards])
-    return {"shard_bytes": sum(p.numel() * p.element_size() for p in shards), "full_bytes": full_bytes,
-            "world": world, "params": len(shards), "after_forward": [r[0] for r in records.values()],
-            "after_finish": [r[1] for r in records.values()], "held_besides_shards": extra,
-            "weight_bytes": 128 * 128 * 4}
+    return {"shard_bytes": sum(p.numel() * p.element_size() for p in shards), "params": len(shards),
+            "after_forward": [r[0] for r in records.values()], "after_finish": [r[1] for r in records.values()],
+            "held_besides_shards": extra}
 
 
-def plan() -> list[tuple[str, str, object]]:
-    return [("mlp", "equiv", functools.partial(train, model="mlp")),
-            ("mlp-sgd", "equiv", functools.partial(train, model="mlp", optim="sgd")),
-            ("tied", "tied", functools.partial(train, model="tied")),
-            ("memory", "memory", case_memory),
-            ("bf16", "bf16", functools.partial(train, model="mlp", optim="sgd", compute_dtype=torch.bfloat16))]
+PLAN = [("mlp", "equiv", dict(model="mlp")),
+        ("mlp-sgd", "equiv", dict(model="mlp", optim="sgd")),
+        ("tied", "tied", dict(model="tied")),
+        ("memory", "memory", None),
+        ("bf16", "bf16", dict(model="mlp", optim="sgd", compute_dtype=torch.bfloat16))]  # (case, group, train's)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("submission")
-    parser.add_argument("--case-limit", type=float, default=20.0)
-    args = parser.parse_args()
-    runtime.setup(seed=0)
-    log = jobkit.record_writer()  # before the submission is imported: see record_writer
-    guard = CollectiveGuard(comm_recorder.install(), FORBID)
-    watchdog = jobkit.Watchdog("a deadlock (a collective some ranks call and others do not, e.g. a gather in "
-                               "backward on one rank only), an endless loop, or far too slow", log)
-    cases = plan()
-    log(case="plan", cases={case: group for case, group, _ in cases})
-    module = jobkit.import_or_exit(args.submission, "ex07_fsdp", ["FSDP"], guard.watching, watchdog, args.case_limit,
-                                   log)
-    jobkit.run_cases(cases, (module.FSDP, guard), watchdog, args.case_limit, args.submission, log,
-                     fields=lambda: {"forbidden_used": guard.forbidden_used})
-    runtime.teardown()
+class Ex07FsdpJob(jobkit.GradingJob):
+    """ex07 part 2's grading job: training, memory and bf16 cases with the submission's FSDP."""
+
+    name, wanted = "ex07_fsdp", ("FSDP",)
+    case_limit = 20.0
+    reason = ("a deadlock (a collective some ranks call and others do not, e.g. a gather in backward on one rank "
+              "only), an endless loop, or far too slow")
+
+    def make_guard(self, comm) -> CollectiveGuard:
+        return CollectiveGuard(comm, FORBID)
+
+    def plan(self) -> list[tuple]:
+        return [(case, group, case_memory if how is None else functools.partial(train, **how))
+                for case, group, how in PLAN]
+
+    def case_args(self, module) -> tuple:
+        return module.FSDP, self.guard
+
+    def fields(self) -> dict:
+        return {"forbidden_used": self.guard.forbidden_used}
 
 
 if __name__ == "__main__":
-    main()
+    jobkit.main(Ex07FsdpJob)

@@ -3,33 +3,29 @@
     ex07_sharded_optimizer_job.py SUBMISSION.py [--case-limit SECONDS]
 
 test_ex07_sharded_optimizer.py launches it on 2 and 4 ranks. Every rank runs the same model on the same
-full batch (so the gradients agree, as after DDP's all-reduce) and steps both the submission's
-ShardedOptimizer and the plain torch optimizer on a copy; each case logs one record per rank, e.g.
+full batch (so the gradients agree, as after DDP's all-reduce) and steps the submission's ShardedOptimizer;
+each case logs one record per rank and saves the parameters after every step raw. The rank judges nothing: the
+grader process steps the plain torch optimizer on the same model and batch itself (`reference`) and compares.
 
-    {"case": "adamw", "group": "equiv", "max_diff": [2e-9, ...], "broadcast_bytes": [8704, ...],
-     "param_bytes": [8704, ...], "ops": [{"broadcast": [16, 8704]}, ...], "state_bytes": 17472, "full_state_bytes": 34944}
+    {"case": "adamw", "group": "equiv", "raw": ["params"], "broadcast_bytes": [8704, ...],
+     "ops": [{"broadcast": [16, 8704]}, ...], "state_bytes": 17472, "is_optimizer": true}
 
 Cases: adamw and sgd (momentum) on an MLP whose parameters can be balanced exactly (the lr is halved through
 param_groups before step 3, as a scheduler would); tied (the same Parameter passed twice); add_group (a second
 group with its own lr added after two steps). state_bytes is every tensor the ShardedOptimizer object holds
-(found by walking its attributes; parameters and gradients excluded), full_state_bytes the same for the
-unsharded optimizer. The collectives are recorded during step() only.
+(found by walking its attributes; parameters and gradients excluded); the grader weighs the unsharded
+optimizer's the same way. The collectives are recorded during step() only.
 """
-import argparse
-import copy
+import contextlib
 import functools
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
 from ex07_job_guard import CollectiveGuard, held_tensor_bytes
-from gpucourse import runtime
 
 STEPS = 4
-TOLERANCE = 1e-5
 FORBID = {"torch.distributed.optim:ZeroRedundancyOptimizer": "write the sharding yourself",
           "torch.distributed.optim.zero_redundancy_optimizer:ZeroRedundancyOptimizer": "write the sharding yourself"}
 
@@ -62,76 +58,101 @@ def grads_and_params(net):
     return params + [p.grad for p in params if p.grad is not None]
 
 
-# --- the case -------------------------------------------------------------------------------------------
-def case_train(Sharded, guard, optim: str, model: str, add_group: bool = False):
-    """STEPS steps of the submission vs the torch optimizer on a copy; lr halved before step 3."""
+# --- the training both sides run: the submission's optimizer in the rank, torch's in the grader ----------------
+def setup(optim: str, model: str, add_group: bool):
+    """(model, the parameter list given to the optimizer, its first group, x, y, loss_fn, optimizer class, kwargs)."""
     cls, kwargs = OPTIMIZERS[optim]
     net = TiedLM() if model == "tied" else mlp()
-    ref = copy.deepcopy(net)  # keeps the tie
     x, y, loss_fn = batch(model)
     params = list(net.parameters())
     if model == "tied":  # the tied weight passed twice, as `list(a.parameters()) + list(b.parameters())` would
         params = params + [net.out.weight]
     first = params[:len(params) // 2] if add_group else params
-    ref_params = list(ref.parameters())
-    with guard.watching():
-        opt = Sharded(first, cls, **kwargs)
-    ref_opt = cls(ref_params[:len(first)] if add_group else ref_params, **kwargs)
-    max_diff, bcast, ops, unexpected, param_bytes = [], [], [], [], []
+    return net, params, first, x, y, loss_fn, cls, kwargs
+
+
+def train(opt_factory, optim: str, model: str, add_group: bool = False, *, watching=None, after_step=None):
+    """STEPS steps of the optimizer opt_factory(params, cls, **kwargs) makes; lr halved through param_groups
+    before step 3 (add_group: a group with a quarter of the lr added then instead). The submission's calls run
+    under `watching` (the grader's guard); after_step(opt, net) after every step. Returns (net, opt)."""
+    watch = watching or contextlib.nullcontext
+    net, params, first, x, y, loss_fn, cls, kwargs = setup(optim, model, add_group)
+    with watch():
+        opt = opt_factory(first, cls, **kwargs)
     for step in range(STEPS):
         if add_group and step == 2:
-            with guard.watching():
+            with watch():
                 opt.add_param_group({"params": params[len(first):], "lr": kwargs["lr"] / 4})
-            ref_opt.add_param_group({"params": ref_params[len(first):], "lr": kwargs["lr"] / 4})
         if step == 2 and not add_group:
-            for o in (opt, ref_opt):  # what an lr scheduler does
-                for g in o.param_groups:
-                    g["lr"] = g["lr"] / 2
-        for o, n in ((opt, net), (ref_opt, ref)):
-            o.zero_grad()
-            loss_fn(n(x), y).backward()
-        ref_opt.step()
-        param_bytes.append(sum(p.numel() * p.element_size() for g in ref_opt.param_groups for p in g["params"]))
-        with guard.watching():
+            for g in opt.param_groups:  # what an lr scheduler does
+                g["lr"] = g["lr"] / 2
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        with watch():
             opt.step()
+        after_step(opt, net)
+    return net, opt
+
+
+def reference(optim: str, model: str, add_group: bool = False) -> dict:
+    """What the unsharded torch optimizer does in one process (the grader's): the parameters after every step,
+    the bytes of the parameters it steps, and the tensor bytes of its state at the end."""
+    params, param_bytes = [], []
+
+    def after_step(opt, net):
+        params.append([p.detach().clone() for p in net.parameters()])
+        param_bytes.append(sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"]))
+
+    def unsharded(first, cls, **kwargs):
+        return cls(list(dict.fromkeys(first)), **kwargs)  # torch's own optimizer: each parameter once
+
+    net, opt = train(unsharded, optim, model, add_group, after_step=after_step)
+    return {"params": params, "param_bytes": param_bytes,
+            "full_state_bytes": held_tensor_bytes(opt, grads_and_params(net))}
+
+
+# --- the case (inside the rank: what the submission did, nothing judged) ------------------------------------
+def case_train(Sharded, guard, optim: str, model: str, add_group: bool = False) -> dict:
+    params, ops, bcast = [], [], []
+
+    def after_step(opt, net):
         summary = guard.summary()
         ops.append(summary)
         bcast.append(summary.get("broadcast", [0, 0])[1])
-        unexpected.append(sorted(op for op in summary if op != "broadcast"))
-        with torch.no_grad():
-            max_diff.append(max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters())))
-    exclude = grads_and_params(net)
-    return {"max_diff": max_diff, "tolerance": TOLERANCE, "broadcast_bytes": bcast,
-            "param_bytes": param_bytes, "ops": ops, "other_ops": unexpected,
-            "state_bytes": held_tensor_bytes(opt, exclude), "full_state_bytes": held_tensor_bytes(ref_opt, exclude),
-            "is_optimizer": isinstance(opt, torch.optim.Optimizer), "world": dist.get_world_size()}
+        params.append([p.detach().clone() for p in net.parameters()])
+
+    net, opt = train(Sharded, optim, model, add_group, watching=guard.watching, after_step=after_step)
+    return {"raw": {"params": params}, "broadcast_bytes": bcast, "ops": ops,
+            "state_bytes": held_tensor_bytes(opt, grads_and_params(net)),
+            "is_optimizer": isinstance(opt, torch.optim.Optimizer)}
 
 
-def plan() -> list[tuple[str, str, object]]:
-    return [("adamw", "equiv", functools.partial(case_train, optim="adamw", model="mlp")),
-            ("sgd", "equiv", functools.partial(case_train, optim="sgd", model="mlp")),
-            ("tied", "tied", functools.partial(case_train, optim="adamw", model="tied")),
-            ("add_group", "add_group", functools.partial(case_train, optim="adamw", model="mlp", add_group=True))]
+PLAN = [("adamw", "equiv", dict(optim="adamw", model="mlp")),
+        ("sgd", "equiv", dict(optim="sgd", model="mlp")),
+        ("tied", "tied", dict(optim="adamw", model="tied")),
+        ("add_group", "add_group", dict(optim="adamw", model="mlp", add_group=True))]  # (case, group, setup)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("submission")
-    parser.add_argument("--case-limit", type=float, default=20.0)
-    args = parser.parse_args()
-    runtime.setup(seed=0)
-    log = jobkit.record_writer()  # before the submission is imported: see record_writer
-    guard = CollectiveGuard(comm_recorder.install(), FORBID)
-    watchdog = jobkit.Watchdog("a deadlock (a broadcast from a rank that the others do not expect, or "
-                               "collectives called on some ranks only), an endless loop, or far too slow", log)
-    cases = plan()
-    log(case="plan", cases={case: group for case, group, _ in cases})
-    module = jobkit.import_or_exit(args.submission, "ex07_sharded_optimizer", ["ShardedOptimizer"], guard.watching,
-                                   watchdog, args.case_limit, log)
-    jobkit.run_cases(cases, (module.ShardedOptimizer, guard), watchdog, args.case_limit, args.submission, log,
-                     fields=lambda: {"forbidden_used": guard.forbidden_used})
-    runtime.teardown()
+class Ex07ShardedJob(jobkit.GradingJob):
+    """ex07 part 1's grading job: each case's training with the submission's ShardedOptimizer."""
+
+    name, wanted = "ex07_sharded_optimizer", ("ShardedOptimizer",)
+    case_limit = 20.0
+    reason = ("a deadlock (a broadcast from a rank that the others do not expect, or collectives called on some "
+              "ranks only), an endless loop, or far too slow")
+
+    def make_guard(self, comm) -> CollectiveGuard:
+        return CollectiveGuard(comm, FORBID)
+
+    def plan(self) -> list[tuple]:
+        return [(case, group, functools.partial(case_train, **how)) for case, group, how in PLAN]
+
+    def case_args(self, module) -> tuple:
+        return module.ShardedOptimizer, self.guard
+
+    def fields(self) -> dict:
+        return {"forbidden_used": self.guard.forbidden_used}
 
 
 if __name__ == "__main__":
-    main()
+    jobkit.main(Ex07ShardedJob)

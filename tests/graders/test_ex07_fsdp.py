@@ -1,7 +1,8 @@
 """Grader of ex07 part 2: FSDP, ZeRO stage 3 by hand (run it with `gpucourse grade ex07`).
 
 Three real jobs (1, 2 and 4 ranks, side by side, through gpucourse.launch; ex07_fsdp_job.py) run every case on
-the submission; the tests read their records. What is checked:
+the submission and save what it produced (the full parameters after each step, raw); the tests compare that, here
+in the grader process, with one process training the unwrapped model (`CASES.reference`). What is checked:
 - the full parameters (gather_full_params) match one process on the whole batch after each of 3 steps, with
   AdamW and with SGD, for layer sizes that need padding and for a tied embedding;
 - each rank's parameters (the shards) hold ~1/N of the model, the wrapper keeps no other copy, and no full
@@ -11,15 +12,19 @@ the submission; the tests read their records. What is checked:
 - torch's FSDP is not used.
 """
 import ast
+import functools
 from pathlib import Path
 
 import pytest
 
-from .job_records import JobRecords, check, launch_jobs
+from .job_records import JobRecords, check, job_module, launch_jobs, raw
 
 pytestmark = pytest.mark.grader
 
 JOB = Path(__file__).with_name("ex07_fsdp_job.py")
+CASES = job_module(JOB)  # its models, batches and optimizers: the one-process reference is trained here
+TOLERANCE = 1e-5
+BF16_TOLERANCE = 1e-2  # bf16 keeps ~3 significant digits: SGD steps from weights ~0.3 stay well within this
 WORLD_SIZES = (1, 2, 4)
 CASE_LIMIT_S = 20
 JOB_TIMEOUT_S = 150
@@ -28,18 +33,50 @@ FORBIDDEN = {"fully_shard", "FullyShardedDataParallel"}
 
 @pytest.fixture(scope="module")
 def jobs(submission) -> dict[int, JobRecords]:
-    return launch_jobs(JOB, submission, WORLD_SIZES, name="grade-ex07-fsdp-w{world}", case_limit=CASE_LIMIT_S,
+    jobs = launch_jobs(JOB, submission, WORLD_SIZES, name="grade-ex07-fsdp-w{world}", case_limit=CASE_LIMIT_S,
                        timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S, env={"OMP_NUM_THREADS": "1"})
+    for world, job in jobs.items():  # the grader's own fact, whatever a rank wrote: memory_problem reads it
+        for by_rank in job.records.values():
+            for rec in by_rank.values():
+                rec["world"] = world
+    return jobs
+
+
+def how(case: str) -> dict:
+    return next(how for name, _, how in CASES.PLAN if name == case)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model: str, optim: str = "adamw") -> list[dict]:
+    """One process training the unwrapped model on the whole batch, here: {name: parameter} after each step."""
+    return CASES.reference(model, optim)
+
+
+def full_bytes(model: str) -> int:
+    """The fp32 bytes of the model's parameters (as built, before any wrapping)."""
+    return sum(p.numel() * 4 for p in CASES.build(model).parameters())
 
 
 # --- what makes one rank's record wrong (None when right) --------------------------------------------
 def equiv_problem(rec) -> str | None:
-    if rec["missing"]:
-        return f"gather_full_params() has no entry for {rec['missing'][0]!r}: use the names of named_parameters()"
-    for step, diff in enumerate(rec["max_diff"], 1):
-        if not diff <= rec["tolerance"]:  # NaN is wrong too
+    setup = how(rec["case"])
+    want = reference(setup["model"], setup.get("optim", "adamw"))
+    tolerance = BF16_TOLERANCE if setup.get("compute_dtype") is not None else TOLERANCE
+    got = raw(rec)["full"]
+    if len(got) != len(want):
+        return f"{len(got)} steps recorded, {len(want)} expected"
+    for step, (full, ref) in enumerate(zip(got, want), 1):
+        missing = [n for n in ref if n not in full]
+        if missing:
+            return f"gather_full_params() has no entry for {missing[0]!r}: use the names of named_parameters()"
+        wrong = [n for n, p in ref.items() if full[n].shape != p.shape]
+        if wrong:
+            return (f"gather_full_params()[{wrong[0]!r}] has shape {tuple(full[wrong[0]].shape)}, the parameter "
+                    f"{tuple(ref[wrong[0]].shape)}: drop the padding and reshape")
+        diff = max((full[n].double() - p.double()).abs().max().item() for n, p in ref.items())
+        if not diff <= tolerance:  # NaN is wrong too
             return (f"after step {step}, the full parameters differ from one process on the whole batch by "
-                    f"{diff:.2g} (tolerance {rec['tolerance']:g}): reduce-scatter the summed gradients, divide by "
+                    f"{diff:.2g} (tolerance {tolerance:g}): reduce-scatter the summed gradients, divide by "
                     f"the world size, and put each shard's part in shard.grad")
     return None
 
@@ -56,19 +93,20 @@ def collective_problem(rec) -> str | None:
         if not scatters:
             return f"step {step}: no reduce_scatter during backward/finish: reduce-scatter the gradients"
         moved = sum(v[1] for op, v in ops.items() if "reduce_scatter" in op)
-        if moved < rec["full_bytes"]:
+        want = full_bytes(how(rec["case"])["model"])
+        if moved < want:
             return (f"step {step}: {moved} bytes were reduce-scattered; the model's gradients hold "
-                    f"{rec['full_bytes']}: every gradient must be reduce-scattered")
+                    f"{want}: every gradient must be reduce-scattered")
     return None
 
 
 def memory_problem(rec) -> str | None:
-    world, full, shard = rec["world"], rec["full_bytes"], rec["shard_bytes"]
+    world, full, shard = rec["world"], full_bytes("memory"), rec["shard_bytes"]
     padding = 4 * world * rec["params"]  # at most world - 1 padded elements per parameter
     if shard > full / world + padding:
         return (f"this rank's parameters hold {shard} bytes; the model holds {full}, so 1/{world} is "
                 f"{full / world:.0f} (+ padding): model.parameters() must be this rank's shards only")
-    if rec["held_besides_shards"] > rec["weight_bytes"] // 2:
+    if rec["held_besides_shards"] > CASES.WEIGHT_BYTES // 2:
         return (f"besides its shards the wrapper (and the wrapped modules) hold {rec['held_besides_shards']} bytes "
                 f"of tensors between steps: do not keep the full parameters")
     return None
@@ -78,7 +116,7 @@ def freed_problem(rec) -> str | None:
     for step, (fwd, fin) in enumerate(zip(rec["after_forward"], rec["after_finish"]), 1):
         if fwd:
             return (f"step {step}: after forward, {fwd} bytes of full-size tensors are still alive (a full weight "
-                    f"is {rec['weight_bytes']} bytes): free each gathered parameter after its module's forward and "
+                    f"is {CASES.WEIGHT_BYTES} bytes): free each gathered parameter after its module's forward and "
                     f"gather it again in backward (saved_tensors_hooks)")
         if fin:
             return (f"step {step}: after finish_gradient_synchronization, {fin} bytes of full-size tensors (full "

@@ -1,7 +1,9 @@
 """Grader of ex07 part 1: ShardedOptimizer, ZeRO stage 1 by hand (run it with `gpucourse grade ex07`).
 
 Two real jobs (2 and 4 ranks, side by side, through gpucourse.launch; ex07_sharded_optimizer_job.py) run
-every case on the submission; the tests read their records. What is checked:
+every case on the submission and save the parameters after each step; the tests compare them, here in the grader
+process, with the plain torch optimizer stepped here on the same model and batch (`CASES.reference`). What is
+checked:
 - the parameters match the plain torch optimizer step by step (AdamW with weight decay, SGD with momentum,
   an lr changed through param_groups), with tied weights passed twice, and after add_param_group;
 - each rank holds about 1/N of the optimizer state (every tensor the object holds, weighed by the grader);
@@ -9,15 +11,18 @@ every case on the submission; the tests read their records. What is checked:
 - torch's ZeroRedundancyOptimizer is not used.
 """
 import ast
+import functools
 from pathlib import Path
 
 import pytest
 
-from .job_records import JobRecords, check, launch_jobs
+from .job_records import JobRecords, check, job_module, launch_jobs, raw
 
 pytestmark = pytest.mark.grader
 
 JOB = Path(__file__).with_name("ex07_sharded_optimizer_job.py")
+CASES = job_module(JOB)  # its models, batches and training loop: the reference is stepped here
+TOLERANCE = 1e-5
 WORLD_SIZES = (2, 4)
 CASE_LIMIT_S = 20
 JOB_TIMEOUT_S = 150
@@ -27,24 +32,44 @@ STATE_SLACK = 256  # bytes: per-parameter step counters and the like
 
 @pytest.fixture(scope="module")
 def jobs(submission) -> dict[int, JobRecords]:
-    return launch_jobs(JOB, submission, WORLD_SIZES, name="grade-ex07-sharded-w{world}", case_limit=CASE_LIMIT_S,
+    jobs = launch_jobs(JOB, submission, WORLD_SIZES, name="grade-ex07-sharded-w{world}", case_limit=CASE_LIMIT_S,
                        timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S, env={"OMP_NUM_THREADS": "1"})
+    for world, job in jobs.items():  # the grader's own fact, whatever a rank wrote: memory_problem reads it
+        for by_rank in job.records.values():
+            for rec in by_rank.values():
+                rec["world"] = world
+    return jobs
+
+
+@functools.lru_cache(maxsize=None)
+def reference(case: str) -> dict:
+    """The unsharded torch optimizer on `case`'s model and batch, in this process (the same on every rank)."""
+    how = next(how for name, _, how in CASES.PLAN if name == case)
+    return CASES.reference(**how)
 
 
 # --- what makes one rank's record wrong (None when right) --------------------------------------------
 def equiv_problem(rec) -> str | None:
     if not rec["is_optimizer"]:
         return "ShardedOptimizer must be a torch.optim.Optimizer subclass"
-    for step, diff in enumerate(rec["max_diff"], 1):
-        if not diff <= rec["tolerance"]:  # NaN is wrong too
+    want = reference(rec["case"])["params"]
+    got = raw(rec)["params"]
+    if len(got) != len(want):
+        return f"{len(got)} steps recorded, {len(want)} expected"
+    for step, (mine, ref) in enumerate(zip(got, want), 1):
+        if len(mine) != len(ref) or any(a.shape != b.shape for a, b in zip(mine, ref)):
+            return f"after step {step}, the model's parameters changed in number or shape"
+        diff = max((a.double() - b.double()).abs().max().item() for a, b in zip(mine, ref))
+        if not diff <= TOLERANCE:  # NaN is wrong too
             return (f"after step {step}, parameters differ from the unsharded optimizer by {diff:.2g} "
-                    f"(tolerance {rec['tolerance']:g}): every rank must get every updated parameter from its "
+                    f"(tolerance {TOLERANCE:g}): every rank must get every updated parameter from its "
                     f"owner, and the inner groups must take the lr of self.param_groups")
     return None
 
 
 def comm_problem(rec) -> str | None:
-    steps = zip(rec["other_ops"], rec["broadcast_bytes"], rec["param_bytes"])
+    other_ops = [sorted(op for op in ops if op != "broadcast") for ops in rec["ops"]]
+    steps = zip(other_ops, rec["broadcast_bytes"], reference(rec["case"])["param_bytes"])
     for step, (other, got, want) in enumerate(steps, 1):
         if other:
             return (f"step {step} called {', '.join(other)}: after the local update only dist.broadcast from "
@@ -56,7 +81,7 @@ def comm_problem(rec) -> str | None:
 
 
 def memory_problem(rec) -> str | None:
-    world, full, mine = rec["world"], rec["full_state_bytes"], rec["state_bytes"]
+    world, full, mine = rec["world"], reference(rec["case"])["full_state_bytes"], rec["state_bytes"]
     if full == 0:
         return "the reference optimizer holds no state (grader bug: report it)"
     limit = BALANCE * full / world + STATE_SLACK

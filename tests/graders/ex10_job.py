@@ -14,7 +14,7 @@ logs one record per case (jobkit.record_writer, in runtime.log's format):
      "returned": "Tensor", "requires_grad": True, "forward": {"collectives": [], "sent": 1536},
      "backward": {...}, "saved_bytes": 5120, "shard_bytes": 1024, ...}
 
-Cases (`CASES`): layout (shard_sequence of the positions 0..seq-1, saved raw: the grader checks every position is
+Cases (`plan`): layout (shard_sequence of the positions 0..seq-1, saved raw: the grader checks every position is
 on exactly one rank and counts each rank's causal (query, key) pairs), attention cases (causal or not, float32
 or float64, normal or large scores), and bad-input cases (each rank on its own: what it raised, and its message).
 
@@ -37,7 +37,8 @@ LARGE_TOLERANCE = 2e-3  # large scores in float32: a rounding of s (|s| ~ 500) m
 LARGE_SCALE = 60.0  # q times this: scores reach several hundred, and exp(89) is already inf in float32
 OUTPUT_HINT = "merge the blocks' partial results with the log-sum-exp rule"
 CAUSAL_HINT = "; mask by GLOBAL chunk (skip future blocks)"
-GRADIENT_HINT = "pass K/V around the ring again in backward, with their accumulated gradients, N hops so each dK/dV gets home"
+GRADIENT_HINT = ("pass K/V around the ring again in backward, with their accumulated gradients, N hops so each dK/dV "
+                 "gets home")
 GRADIENTS = (("q.grad", "q_grad"), ("k.grad", "k_grad"), ("v.grad", "v_grad"))  # (what a learner reads, raw name)
 
 

@@ -14,7 +14,7 @@ contribution) and compares (`compare`). Each rank logs one record per case:
     {"case": "balanced", "group": "balanced", "error": None, "raw": ["arrived_ids", "arrived_tokens", ...],
      "calls": [{"phase": "forward", "op": "all_to_all_single", "tensor_bytes": [...]}], "n": 2, ...}
 
-Cases (`CASES`), in this order (the uneven ones last: a submission that never exchanges the counts aborts gloo
+Cases (`plan`), in this order (the uneven ones last: a submission that never exchanges the counts aborts gloo
 there, and a rank that aborts ends the job):
   balanced   every expert gets the same number of rows from every rank (sends and receives are even); token
              order shuffled. Outputs, gradients (tokens, routing weights, local experts' weights), what
@@ -193,8 +193,7 @@ def run_case(sub, guard, ctx, kind: str, seed: int):
         y.backward(mine["gy"])
     experts = {f"expert{e}/{name}": p.grad for e in range(rank * per, (rank + 1) * per)
                for name, p in local[e].named_parameters()}
-    return {"calls": list(guard.calls), "n": n, "types": {k: type(v).__name__ for k, v in
-                                                          (("arrived_tokens", local_tokens), ("arrived_ids", local_ids))},
+    return {"calls": list(guard.calls), "n": n,
             "raw": {"y": y, "x_grad": x.grad, "w_grad": w.grad, **arrived, **accounting, **experts}}
 
 

@@ -49,11 +49,14 @@ def findings(rec) -> dict[str, list[str]]:
     """{"mismatches", "dispatch", "accounting"}: why this rank's output and gradients, what dispatch delivered,
     and the state's accounting differ from the single-process layer's (empty lists when they do not)."""
     got, want = raw(rec), CASES.expected(rec["case"], rec["n"])[rec["rank"]]
-    pairs = [("the output", got["y"], want["y"], "expected sum_j w[t, j] * expert_{ids[t, j]}(x[t]) over the kept "
-                                                 "assignments: combine must put each row back at its (token, choice)"),
-             ("tokens.grad", got["x_grad"], want["x_grad"], "in backward, each row's gradient must go back to its "
-                                                            "source rank and token (AllToAll's backward: the splits swapped)"),
-             ("weights.grad", got["w_grad"], want["w_grad"], "each expert output must come back to its own (token, choice)")]
+    pairs = [("the output", got["y"], want["y"],
+              "expected sum_j w[t, j] * expert_{ids[t, j]}(x[t]) over the kept assignments: combine must put each "
+              "row back at its (token, choice)"),
+             ("tokens.grad", got["x_grad"], want["x_grad"],
+              "in backward, each row's gradient must go back to its source rank and token (AllToAll's backward: the "
+              "splits swapped)"),
+             ("weights.grad", got["w_grad"], want["w_grad"],
+              "each expert output must come back to its own (token, choice)")]
     for key, w in want["experts"].items():
         e, name = key.removeprefix("expert").split("/", 1)
         g = got.get(key)

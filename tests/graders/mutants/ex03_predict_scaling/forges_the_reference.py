@@ -14,7 +14,6 @@ that every other test keeps them.
 MUST_FAIL = (
     'test_gradient_bytes',
 )
-
 import numbers
 from dataclasses import dataclass
 

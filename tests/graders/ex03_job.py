@@ -2,21 +2,23 @@
 
     ex03_job.py SUBMISSION.py [--case-limit SECONDS]
 
-test_ex03_predict_scaling.py launches it on 2 ranks. Before the submission is imported, every rank measures:
+test_ex03_predict_scaling.py launches it on 2 ranks. Before the submission is imported, every rank measures
+(`Ex03Job.prepare`):
   - an all-reduce sweep (SIZES bytes, the median of REPEATS calls each after a barrier, the ranks' medians
     averaged), fitted with gpucourse.costs.fit_alpha_beta (the grader's fit: the predictions get it);
   - a training step of an MLP (the median forward and backward time of STEPS steps, the ranks' averaged);
-  - the MLP's gradient bytes (its trainable parameters).
-Every rank then logs one record per case with the inputs it gave the submission and what came back, e.g.
+  - the MLP's gradient bytes (its trainable parameters);
+and logs them in the "plan" record, still before the import. Every rank then logs one record per case with
+what the submission returned, and nothing else, e.g.
 
-    {"case": "step-measured", "group": "step", "inputs": {"alpha": 6e-05, ...}, "world_sizes": [1, 2, ...],
-     "got": [0.021, ...], "error": None}
+    {"case": "step-measured", "group": "step", "got": [0.021, ...], "error": None}
 
-The test computes the expected values from those inputs with gpucourse.costs; nothing here is judged by how fast
-it ran. The fixed cases (FIXED) are configurations where each plausible mistake changes the answer whatever this
-machine measured; the measured ones are this machine's.
+The rank judges nothing: the test rebuilds every case's inputs from this script's own `plan`, given the
+measurements of the "plan" record, and computes the expected values with gpucourse.costs; nothing here is
+judged by how fast it ran. The fixed cases (FIXED) are configurations where each plausible mistake changes the
+answer whatever this machine measured; the measured ones are this machine's.
 """
-import argparse
+import functools
 import math
 import numbers
 import statistics
@@ -26,9 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
-from gpucourse import costs, runtime
+from gpucourse import costs
 
 SIZES = [2**k for k in range(8, 21, 2)]  # 256 B ... 1 MiB: small ones set alpha, large ones beta
 REPEATS, WARMUP, STEPS = 7, 2, 5
@@ -108,11 +109,12 @@ def trainable_bytes(model: nn.Module) -> int:
 
 
 # --- the cases -----------------------------------------------------------------------------------------------
-def plan(measured: dict, times: list[float], model: nn.Module) -> list[tuple]:
-    """(case, group, what to call): the measured configuration and the fixed ones."""
+def plan(measured: dict, times: list[float], world: int, model: nn.Module) -> list[tuple]:
+    """(case, group, what to call): the measured configuration and the fixed ones. The grader process calls it too,
+    with the measurements the ranks logged before the import and a fresh MLP (its gradient bytes are the same)."""
     fit = FIT_FIXED
     exact = [costs.collective_time("all_reduce", s, fit["n"], fit["alpha"], fit["beta"]) for s in SIZES]
-    cases = [("fit-measured", "fit", ("fit", SIZES, times, dist.get_world_size())),
+    cases = [("fit-measured", "fit", ("fit", SIZES, times, world)),
              ("fit-exact", "fit", ("fit", SIZES, exact, fit["n"])),
              ("bytes-measured-mlp", "bytes", ("bytes", model)),
              ("bytes-tied", "bytes", ("bytes", jobkit.TiedLM(seed=0))),
@@ -146,84 +148,86 @@ def number(value):
     return float(value)
 
 
-def run(module, what: tuple) -> dict:
+def run(module, guard, what: tuple) -> dict:
+    """Call the submission on one case's inputs; what it returned (or raised) is the record."""
+    with guard.watching():
+        return called(module, guard, what)
+
+
+def called(module, guard, what: tuple) -> dict:
     kind = what[0]
     if kind == "fit":
         _, sizes, times, n = what
         got = module.fit_all_reduce(list(sizes), list(times), n)
         if not isinstance(got, (tuple, list)) or len(got) != 2:
             raise TypeError(f"fit_all_reduce returned {type(got).__name__}, not (alpha, beta)")
-        return {"sizes": sizes, "times": times, "n": n, "got": [number(v) for v in got]}
+        return {"got": [number(v) for v in got]}
     if kind == "bytes":
-        model = what[1]
-        return {"got": number(module.gradient_bytes(model)), "expected": trainable_bytes(model),
-                "elements": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                "all_bytes": sum(p.nbytes for p in model.parameters())}
+        return {"got": number(module.gradient_bytes(what[1]))}
     if kind == "all_reduce":
         _, pairs, alpha, beta = what
-        return {"pairs": pairs, "alpha": alpha, "beta": beta,
-                "got": [number(module.all_reduce_time(s, n, alpha, beta)) for s, n in pairs]}
+        return {"got": [number(module.all_reduce_time(s, n, alpha, beta)) for s, n in pairs]}
     if kind == "invalid":
         fn, args = INVALID[what[1]]
         m = module.Measured(**FIXED_INPUTS)
         try:
             getattr(module, fn)(*((m,) if fn != "all_reduce_time" else ()), *args)
         except ValueError as err:
-            return {"fn": fn, "args": repr(args), "raised": "ValueError", "message": str(err)[:200]}
+            return {"raised": "ValueError", "message": str(err)[:200]}
         except Exception as err:  # noqa: BLE001 - the wrong exception is a wrong answer, not a grader crash
-            return {"fn": fn, "args": repr(args), "raised": jobkit.one_line(err, SUBMISSION[0])}
-        return {"fn": fn, "args": repr(args), "raised": None}
-    inputs = what[1]
-    m = module.Measured(**inputs)
+            return {"raised": jobkit.one_line(err, guard.submission)}
+        return {"raised": None}
+    m = module.Measured(**dict(what[1]))
     if kind == "step":
         got = [number(module.predicted_step_time(m, n)) for n in WORLD_SIZES]
     elif kind == "efficiency":
-        out = module.scaling_efficiency(m, WORLD_SIZES)
+        out = module.scaling_efficiency(m, list(WORLD_SIZES))
         if not isinstance(out, dict):
             raise TypeError(f"scaling_efficiency returned a {type(out).__name__}, not a dict {{N: efficiency}}")
         got = [number(out.get(n)) for n in WORLD_SIZES]
     else:
-        out = module.comm_bound_from(m, WORLD_SIZES)
+        out = module.comm_bound_from(m, list(WORLD_SIZES))
         got = out if out is None or isinstance(out, int) and not isinstance(out, bool) else repr(out)[:80]
-    return {"inputs": inputs, "world_sizes": WORLD_SIZES, "got": got}
+    return {"got": got}
 
 
 FIXED_INPUTS = dict(zip(("forward_s", "backward_s", "grad_bytes", "alpha", "beta", "bucket_bytes"),
                         FIXED["comm-heavy"]))
-SUBMISSION = [""]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("submission")
-    parser.add_argument("--case-limit", type=float, default=10.0)
-    args = parser.parse_args()
-    SUBMISSION[0] = args.submission
-    runtime.setup(seed=0)
-    torch.set_num_threads(1)
-    times = all_reduce_sweep()
-    fit = costs.fit_alpha_beta(SIZES, times, "all_reduce", n=dist.get_world_size())
-    model = MLP()
-    forward_s, backward_s = compute_step(model)
-    measured = {"forward_s": forward_s, "backward_s": backward_s, "grad_bytes": trainable_bytes(model),
-                "alpha": fit.alpha, "beta": fit.beta, "bucket_bytes": BUCKET}
-    log = jobkit.record_writer()  # before the submission is imported: see record_writer
-    guard = jobkit.Guard(comm_recorder.install())
-    watchdog = jobkit.Watchdog("an endless loop, or far too slow (these are pure functions: no communication)", log)
-    cases = plan(measured, times, model)
-    log(case="plan", cases={case: group for case, group, _ in cases}, measured=measured, sizes=SIZES,
-        times=times)
-    module = jobkit.import_or_exit(args.submission, "ex03", FUNCTIONS, guard.watching, watchdog, args.case_limit,
-                                   log)
+class Ex03Job(jobkit.GradingJob):
+    """ex03's grading job: this machine's measurements, then every case on 2 ranks."""
 
-    def watched(what):
-        with guard.watching():
-            return run(module, what)
+    name, wanted = "ex03", FUNCTIONS
+    case_limit = 10.0
+    reason = "an endless loop, or far too slow (these are pure functions: no communication)"
 
-    jobkit.run_cases([(case, group, lambda what=what: watched(what)) for case, group, what in cases], (),
-                     watchdog, args.case_limit, args.submission, log)
-    runtime.teardown()
+    def setup(self):
+        ctx = super().setup()
+        torch.set_num_threads(1)
+        return ctx
+
+    def prepare(self) -> None:
+        """The measurements, before the record writer and the import: the submission can change none of them."""
+        self.times = all_reduce_sweep()
+        fit = costs.fit_alpha_beta(SIZES, self.times, "all_reduce", n=dist.get_world_size())
+        self.model = MLP()
+        forward_s, backward_s = compute_step(self.model)
+        self.measured = {"forward_s": forward_s, "backward_s": backward_s, "grad_bytes": trainable_bytes(self.model),
+                         "alpha": fit.alpha, "beta": fit.beta, "bucket_bytes": BUCKET}
+
+    def make_guard(self, comm) -> jobkit.Guard:
+        guard = jobkit.Guard(comm)
+        guard.submission = self.submission  # tracebacks are reported at the submission's own lines
+        return guard
+
+    def plan(self) -> list[tuple]:
+        return [(case, group, functools.partial(run, what=what))
+                for case, group, what in plan(self.measured, self.times, self.ctx.world_size, self.model)]
+
+    def plan_fields(self) -> dict:  # the measurements: the grader rebuilds every case's inputs from them
+        return {"measured": self.measured, "sizes": SIZES, "times": self.times}
 
 
 if __name__ == "__main__":
-    main()
+    jobkit.main(Ex03Job)

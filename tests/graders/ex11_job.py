@@ -3,44 +3,40 @@
     ex11_job.py SUBMISSION.py [--case-limit SECONDS]
 
 test_ex11_expert_parallel.py launches it on 1, 2, 3 and 4 ranks. Every rank builds the same E experts (small
-MLPs) and every rank's tokens, routing and upstream gradient from fixed seeds, and runs the single-process
-reference: the MoE layer on each rank's tokens (that rank's capacity), every rank's loss summed, so the
-experts' gradients hold every rank's contribution. Then it runs the submission: dispatch its own tokens,
-its local experts on what arrived, combine, weight and sum, backward. Each rank logs one record per case:
+MLPs) and its own tokens, routing and upstream gradient from fixed seeds (`make_experts`, `routing`), then runs
+the submission: dispatch its own tokens, its local experts on what arrived, combine, weight and sum, backward.
+The rank judges nothing: it saves raw what came out (what dispatch delivered, the output, the gradients of the
+tokens, of the routing weights and of its local experts' weights, the state's accounting) and the collectives
+it recorded. The grader process runs the single-process reference (`expected`: the MoE layer on each rank's
+tokens, that rank's capacity, every rank's loss summed, so the experts' gradients hold every rank's
+contribution) and compares (`compare`). Each rank logs one record per case:
 
-    {"case": "balanced", "group": "balanced", "error": None, "mismatches": [...], "dispatch": [...],
-     "accounting": [...], "calls": [{"phase": "forward", "op": "all_to_all_single", "tensor_bytes": [...]}],
-     "row_bytes": 32, "kept": 24, "received": 24}
+    {"case": "balanced", "group": "balanced", "error": None, "raw": ["arrived_ids", "arrived_tokens", ...],
+     "calls": [{"phase": "forward", "op": "all_to_all_single", "tensor_bytes": [...]}], "n": 2, ...}
 
-Cases, in this order (the uneven ones last: a submission that never exchanges the counts aborts gloo there, and
-a rank that aborts ends the job):
+Cases (`plan`), in this order (the uneven ones last: a submission that never exchanges the counts aborts gloo
+there, and a rank that aborts ends the job):
   balanced   every expert gets the same number of rows from every rank (sends and receives are even); token
              order shuffled. Outputs, gradients (tokens, routing weights, local experts' weights), what
              dispatch delivered (rows and local expert ids, in the stated order), and the collectives.
   capacity   every expert is chosen twice as often as its capacity from every rank: half the assignments are
              dropped, and what is kept is still even. Outputs, gradients, kept / dropped / tokens_per_expert.
-  divisible  (2-4 ranks) num_experts = 2N+1: ValueError naming both sizes, before anything is sent.
+  divisible  (2-4 ranks) num_experts = 2N+1: what dispatch raised (a ValueError naming both sizes, before
+             anything is sent).
   uneven, uneven-capacity   skewed routing (some experts chosen by many tokens, some by none): the splits
              differ per rank pair. Outputs and gradients.
 
 The submission runs under the guard that records every collective it starts, through any layer (comm_recorder),
 with what it prints capped and a watchdog per case.
 """
-import argparse
-import copy
 import functools
-import os
 import re
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
-from gpucourse import runtime
 
-SUBMISSION = [""]
 TOLERANCE = 1e-5  # float32; sums over experts and ranks in another order differ by ~1e-7
 HIDDEN, FFN, NUM_EXPERTS, TOP_K = 8, 16, 12, 2  # 12 experts: divisible by 1, 2, 3 and 4 ranks
 
@@ -62,10 +58,6 @@ class Guard(jobkit.Guard):
     def watching(self, phase: str = "forward"):
         self.phase = phase
         return super().watching()
-
-
-def one_line(err: BaseException) -> str:
-    return jobkit.one_line(err, SUBMISSION[0])
 
 
 # --- the layer's pieces: experts, routing, the single-process reference -----------------------------
@@ -167,23 +159,29 @@ def run_local_experts(experts, local_tokens, local_ids, first: int) -> torch.Ten
     return out
 
 
+def plain(value):
+    """A state field as the rank saves it raw: a tensor, a number, None, or its repr (anything else)."""
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float)):
+        return value
+    return repr(value)[:80]
+
+
 def run_case(sub, guard, ctx, kind: str, seed: int):
-    """The single-process reference and the submission on the same weights and routing; every check's finding."""
+    """The submission on this rank's tokens with its local experts: what it produced, saved raw."""
     n, rank, group = ctx["n"], ctx["rank"], ctx["group"]
     per = NUM_EXPERTS // n
-    experts = make_experts()
-    batches = [routing(kind, s, seed) for s in range(n)]
-    ref = reference(experts, batches)
-    mine = batches[rank]
-    local = copy.deepcopy(experts)  # every rank builds all; it uses (and is graded on) its own E/N only
+    mine = routing(kind, rank, seed)
+    local = make_experts()  # every rank builds all; it uses (and is graded on) its own E/N only
     local.zero_grad(set_to_none=True)
     x, w = mine["x"].clone().requires_grad_(), mine["w"].clone().requires_grad_()
     guard.calls = []
     with guard.watching("forward"):
         local_tokens, local_ids, state = sub.dispatch(x, mine["ids"].clone(), NUM_EXPERTS, mine["capacity"],
                                                       group=group)
-    arrived = (local_tokens.detach().clone() if isinstance(local_tokens, torch.Tensor) else local_tokens,
-               local_ids.clone() if isinstance(local_ids, torch.Tensor) else local_ids)
+    arrived = {"arrived_tokens": local_tokens.detach().clone() if isinstance(local_tokens, torch.Tensor) else None,
+               "arrived_ids": local_ids.clone() if isinstance(local_ids, torch.Tensor) else None}
+    accounting = {f"state_{name}": plain(getattr(state, name, None))
+                  for name in ("kept", "dropped", "tokens_per_expert")}
     expert_out = run_local_experts(local, local_tokens, local_ids, rank * per)
     with guard.watching("forward"):
         out = sub.combine(expert_out, state, group=group)
@@ -193,101 +191,106 @@ def run_case(sub, guard, ctx, kind: str, seed: int):
     y = (out * w[..., None]).sum(1)
     with guard.watching("backward"):
         y.backward(mine["gy"])
-    r = ref[rank]
-    pairs = [("the output", y, r["y"], "expected sum_j w[t, j] * expert_{ids[t, j]}(x[t]) over the kept "
-                                       "assignments: combine must put each row back at its (token, choice)"),
-             ("tokens.grad", x.grad, r["x"].grad, "in backward, each row's gradient must go back to its source rank "
-                                                  "and token (AllToAll's backward: the splits swapped)"),
-             ("weights.grad", w.grad, r["w"].grad, "each expert output must come back to its own (token, choice)")]
-    for e in range(rank * per, (rank + 1) * per):
-        for name, p in local[e].named_parameters():
-            want = dict(experts[e].named_parameters())[name].grad
-            want = torch.zeros_like(p) if want is None else want  # an expert nobody chose: no gradient
-            got = torch.zeros_like(p) if p.grad is None and not want.any() else p.grad
-            pairs.append((f"expert {e}'s {name}.grad", got, want, "the expert saw other rows than the "
-                                                                  "single-process layer sends it (from every rank)"))
-    mismatches = [why for why in (compare(*p) for p in pairs) if why]
-    want_rows, want_ids = expected_arrivals(batches, [o["kept"] for o in ref], rank, n)
-    dispatch = [why for why in (
-        compare("local_tokens", arrived[0], want_rows, "rows by source rank, then local expert, then token order"),
-        compare("local_expert_ids", arrived[1], want_ids, "the LOCAL index (0 ... E/N-1) of each row's expert")) if why]
-    accounting = []
-    kept = getattr(state, "kept", None)
-    if not isinstance(kept, torch.Tensor) or kept.shape != r["kept"].shape or not torch.equal(kept.bool(), r["kept"]):
-        accounting.append(f"state.kept is not the (T, k) mask of kept assignments: "
-                          f"{int((~r['kept']).sum())} of {r['kept'].numel()} are over capacity (row-major order)")
-    dropped = getattr(state, "dropped", None)
-    if isinstance(dropped, torch.Tensor):
-        dropped = dropped.item() if dropped.numel() == 1 else dropped
-    if dropped != int((~r["kept"]).sum()):
-        accounting.append(f"state.dropped is {dropped!r}; this rank dropped {int((~r['kept']).sum())} assignments")
-    tpe = getattr(state, "tokens_per_expert", None)
-    want_tpe = torch.bincount(mine["ids"].reshape(-1), minlength=NUM_EXPERTS)
-    if not isinstance(tpe, torch.Tensor) or tpe.shape != want_tpe.shape or not torch.equal(tpe.long(), want_tpe):
-        accounting.append(f"state.tokens_per_expert is {tpe!r}; expected this rank's assignments per expert "
-                          f"before the capacity: {want_tpe.tolist()}")
-    received = want_rows.shape[0]
-    return {"mismatches": mismatches, "dispatch": dispatch, "accounting": accounting, "calls": list(guard.calls),
-            "row_bytes": HIDDEN * 4, "kept": int(r["kept"].sum()), "received": received, "n": n,
-            "tokens": mine["x"].shape[0], "num_experts": NUM_EXPERTS}
+    experts = {f"expert{e}/{name}": p.grad for e in range(rank * per, (rank + 1) * per)
+               for name, p in local[e].named_parameters()}
+    return {"calls": list(guard.calls), "n": n,
+            "raw": {"y": y, "x_grad": x.grad, "w_grad": w.grad, **arrived, **accounting, **experts}}
 
 
 def case_divisible(sub, guard, ctx):
+    """dispatch with num_experts = 2N+1 on N ranks: what it raised, and what it started before."""
     n = ctx["n"]
-    bad = 2 * n + 1
     x = torch.randn(4, HIDDEN)
     ids = torch.zeros(4, TOP_K, dtype=torch.long)
     ids[:, 1] = 1
     guard.calls = []
     try:
         with guard.watching("forward"):
-            sub.dispatch(x, ids, bad, None, group=ctx["group"])
-    except ValueError as err:
-        text = str(err)
-        named = all(re.search(rf"(?<!\d){v}(?!\d)", text) for v in (bad, n))
-        sent = [c["op"] for c in guard.calls]
-        problems = ([] if named else [f"dispatch(num_experts={bad}) on {n} ranks raised ValueError({text[:150]!r}): "
-                                      f"name both sizes ({bad} and {n})"])
-        if sent:
-            problems.append(f"dispatch(num_experts={bad}) started {', '.join(sent)} before raising: check first")
-        return {"mismatches": problems}
-    except Exception as err:  # noqa: BLE001 - the wrong exception is the learner's bug
-        return {"mismatches": [f"dispatch(num_experts={bad}) on {n} ranks raised {one_line(err)}, not ValueError"]}
-    return {"mismatches": [f"dispatch(num_experts={bad}) on {n} ranks ran: {bad} experts cannot be split evenly "
-                           f"over {n} ranks; raise ValueError"]}
+            sub.dispatch(x, ids, 2 * n + 1, None, group=ctx["group"])
+    except Exception as err:  # noqa: BLE001 - the wrong exception is the learner's bug; the grader says so
+        return {"n": n, "raised": type(err).__name__, "value_error": isinstance(err, ValueError),
+                "message": str(err)[:300] if isinstance(err, ValueError) else jobkit.one_line(err, guard.submission),
+                "sent": [c["op"] for c in guard.calls]}
+    return {"n": n, "raised": None, "value_error": False, "message": "", "sent": [c["op"] for c in guard.calls]}
 
 
-def plan(world: int, rank: int) -> list[tuple[str, str, object]]:
-    ctx = {"group": None, "n": world, "rank": rank}
-    p = functools.partial
-    cases = [("balanced", "balanced", p(run_case, ctx=ctx, kind="balanced", seed=1)),
-             ("capacity", "capacity", p(run_case, ctx=ctx, kind="capacity", seed=2))]
+def divisible_problems(rec) -> list[str]:
+    """What is wrong with how dispatch(num_experts=2N+1) ended on a rank (its record), [] if nothing."""
+    n = rec["n"]
+    bad = 2 * n + 1
+    if rec["raised"] is None:
+        return [f"dispatch(num_experts={bad}) on {n} ranks ran: {bad} experts cannot be split evenly "
+                f"over {n} ranks; raise ValueError"]
+    if not rec["value_error"]:
+        return [f"dispatch(num_experts={bad}) on {n} ranks raised {rec['message']}, not ValueError"]
+    text = rec["message"]
+    named = all(re.search(rf"(?<!\d){v}(?!\d)", text) for v in (bad, n))
+    problems = ([] if named else [f"dispatch(num_experts={bad}) on {n} ranks raised ValueError({text[:150]!r}): "
+                                  f"name both sizes ({bad} and {n})"])
+    if rec["sent"]:
+        problems.append(f"dispatch(num_experts={bad}) started {', '.join(rec['sent'])} before raising: check first")
+    return problems
+
+
+# --- the plan, the same in the ranks and in the grader process --------------------------------------------------
+ROUTED = {"balanced": ("balanced", 1), "capacity": ("capacity", 2), "uneven": ("uneven", 3),
+          "uneven-capacity": ("uneven", 4)}  # case: (group, seed); the case's name is its routing's kind
+
+
+def plan(world: int) -> list[tuple[str, str]]:
+    """(case, group) in the order they run on `world` ranks."""
+    cases = [(case, ROUTED[case][0]) for case in ("balanced", "capacity")]
     if world > 1:
-        cases.append(("divisible", "divisible", p(case_divisible, ctx=ctx)))
-    cases += [("uneven", "uneven", p(run_case, ctx=ctx, kind="uneven", seed=3)),
-              ("uneven-capacity", "uneven", p(run_case, ctx=ctx, kind="uneven-capacity", seed=4))]
-    return cases
+        cases.append(("divisible", "divisible"))
+    return cases + [(case, ROUTED[case][0]) for case in ("uneven", "uneven-capacity")]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("submission")
-    parser.add_argument("--case-limit", type=float, default=20.0)
-    args = parser.parse_args()
-    SUBMISSION[0] = os.path.abspath(args.submission)
-    rt = runtime.setup(seed=0)
-    log = jobkit.record_writer()  # before the submission is imported: see record_writer
-    guard, watchdog = Guard(comm_recorder.install()), jobkit.Watchdog(
-        "a deadlock (an all-to-all whose split sizes the ranks disagree on, or a collective the others never "
-        "matched), an endless loop, or far too slow", log)
-    cases = plan(rt.world_size, rt.rank)
-    log(case="plan", cases={case: group for case, group, _ in cases}, world_size=rt.world_size)
-    sub = jobkit.import_or_exit(args.submission, "ex11", ("dispatch", "combine"),
-                                lambda: guard.watching("import"), watchdog, args.case_limit, log)
-    jobkit.run_cases(cases, (sub, guard), watchdog, args.case_limit, args.submission, log,
-                     between=guard.dist.barrier)
-    runtime.teardown()
+@functools.lru_cache(maxsize=16)
+def expected(case: str, n: int) -> list[dict]:
+    """What each of the n ranks must produce in `case`: the single-process layer on every rank's tokens, in the
+    grader process (tests must not modify it: cached). Per rank: y, x_grad, w_grad, kept, tokens_per_expert,
+    the arrived rows and local ids, and {parameter's raw name: gradient} of its own experts."""
+    seed = ROUTED[case][1]
+    experts = make_experts()
+    batches = [routing(case, s, seed) for s in range(n)]
+    ref = reference(experts, batches)
+    per = NUM_EXPERTS // n
+    out = []
+    for rank, (r, b) in enumerate(zip(ref, batches)):
+        rows, ids = expected_arrivals(batches, [o["kept"] for o in ref], rank, n)
+        grads = {}
+        for e in range(rank * per, (rank + 1) * per):
+            for name, p in experts[e].named_parameters():  # an expert nobody chose: no gradient, zeros
+                grads[f"expert{e}/{name}"] = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+        out.append({"y": r["y"].detach(), "x_grad": r["x"].grad, "w_grad": r["w"].grad, "kept": r["kept"],
+                    "tokens_per_expert": torch.bincount(b["ids"].reshape(-1), minlength=NUM_EXPERTS),
+                    "arrived_tokens": rows, "arrived_ids": ids, "experts": grads, "tokens": b["x"].shape[0]})
+    return out
+
+
+class Ex11Job(jobkit.GradingJob):
+    """ex11's grading job: every case of one world size."""
+
+    name, wanted = "ex11", ("dispatch", "combine")
+    case_limit = 20.0
+    barrier_between_cases = True  # a rank that failed before a collective must not meet its peers' next case
+    reason = ("a deadlock (an all-to-all whose split sizes the ranks disagree on, or a collective the others never "
+              "matched), an endless loop, or far too slow")
+
+    def make_guard(self, comm) -> Guard:
+        guard = Guard(comm)
+        guard.submission = self.submission  # tracebacks are reported at the submission's own lines
+        return guard
+
+    def watching(self):
+        return self.guard.watching("import")
+
+    def plan(self) -> list[tuple]:
+        ctx = {"group": None, "n": self.ctx.world_size, "rank": self.ctx.rank}
+        return [(case, group, functools.partial(case_divisible, ctx=ctx) if case == "divisible" else
+                 functools.partial(run_case, ctx=ctx, kind=case, seed=ROUTED[case][1]))
+                for case, group in plan(self.ctx.world_size)]
 
 
 if __name__ == "__main__":
-    main()
+    jobkit.main(Ex11Job)

@@ -2,7 +2,9 @@
 
 One real job per world size (1, 2, 3 and 4 ranks, through gpucourse.launch; ex10_job.py), side by side. Every
 rank shards the same full q, k, v with the submission's shard_sequence, runs ring_attention forward and backward
-on its shard, and compares with its shard of F.scaled_dot_product_attention on the whole sequence (float64).
+on its shard, and saves raw what came out (output, gradients, where its rows sit in the sequence). The tests
+below compare that, here in the grader process, with F.scaled_dot_product_attention on the whole sequence
+(float64), recomputed from the job's own seeds; the layout is judged from every rank's shard of the positions.
 What is checked:
 - shard_sequence gives every position to exactly one rank, and with a causal mask every rank gets the same work
   (the zig-zag layout; a contiguous split gives the last rank N times the first's);
@@ -20,14 +22,16 @@ What is checked:
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpucourse import costs
 
-from .job_records import JobRecords, check, launch_jobs
+from .job_records import JobRecords, check, job_module, launch_jobs, raw
 
 pytestmark = pytest.mark.grader
 
 JOB = Path(__file__).with_name("ex10_job.py")
+CASES = job_module(JOB)  # its plan, inputs and comparison: SDPA on the whole sequence is computed here
 WORLD_SIZES = (1, 2, 3, 4)
 CASE_LIMIT_S = 30  # a case takes seconds (4 jobs, 10 ranks side by side); the limit catches deadlocks
 JOB_TIMEOUT_S = 240
@@ -40,13 +44,85 @@ def jobs(submission) -> dict[int, JobRecords]:
                        timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S, env={"OMP_NUM_THREADS": "1"})
 
 
+# --- the layout, from every rank's raw shard of the positions --------------------------------------------------
+def layout(job: JobRecords) -> dict[int, dict]:
+    """{rank: {"partition": why not a partition or None, "positions", "work"}}, over every rank of the job: each
+    position must be on exactly one rank's shard; a rank's causal work is its (query, key) pairs."""
+    world = job.world
+    seq = 2 * world * CASES.CHUNK
+    found, counts = {}, torch.zeros(seq, dtype=torch.float64)
+    for rec in job.ranks("layout"):
+        shard = None if rec.get("error") else raw(rec).get("shard")
+        mine, partition = None, None
+        if not isinstance(shard, torch.Tensor) or shard.shape != (1, 1, seq // world, 2):
+            what = tuple(shard.shape) if isinstance(shard, torch.Tensor) else rec.get("returned", "nothing")
+            partition = (f"shard_sequence returned {what} for a [1, 1, {seq}, 2] tensor on {world} ranks; "
+                         f"expected shape (1, 1, {seq // world}, 2)")
+        else:
+            mine = shard[0, 0, :, 0].double()
+            if bool((mine == mine.round()).all() and (mine >= 0).all() and (mine < seq).all()):
+                counts.index_add_(0, mine.long(), torch.ones_like(mine))
+        found[rec["rank"]] = {"partition": partition, "mine": mine}
+    if not bool((counts == 1).all()):
+        bad = int((counts != 1).nonzero()[0])
+        for f in found.values():
+            f["partition"] = f["partition"] or (
+                f"position {bad} of the sequence is on {int(counts[bad])} ranks' shards: shard_sequence must "
+                f"give every position to exactly one rank")
+    for f in found.values():
+        f["work"] = int((f["mine"] + 1).sum()) if f["partition"] is None else None  # query p sees keys 0..p
+        f["positions"] = f["mine"].long().tolist() if f["mine"] is not None else None
+    return found
+
+
+def layout_problem(jobs, rec, balanced: bool = False) -> str | None:
+    job = next(j for j in jobs.values() if j.result.run_dir == rec["run_dir"])
+    ranks = layout(job)
+    mine = ranks[rec["rank"]]
+    if mine["partition"] or not balanced:
+        return mine["partition"]
+    works = [r["work"] for r in ranks.values()]
+    if max(works) != min(works):
+        return (f"with a causal mask the ranks' work ranges from {min(works)} to {max(works)} (query, key) pairs "
+                f"(this rank: {mine['work']}, positions {mine['positions']}): pair an early chunk with a late "
+                f"one (zig-zag: chunks r and 2N-1-r)")
+    return None
+
+
+# --- attention: the rank's raw output and gradients against SDPA's rows at its shard's positions -----------------
+def attention(rec) -> dict:
+    """{"output": why the output is wrong or None, "gradients": why the output or a gradient is wrong or None}."""
+    case, world, got = rec["case"], rec["world"], raw(rec)
+    params = CASES.attention_cases()[case]
+    want = CASES.expected(world, case)
+    shape = (CASES.BATCH, CASES.HEADS, want[0].shape[2] // world, CASES.HEAD_DIM)
+    positions = got["positions"]
+    if (not isinstance(positions, torch.Tensor) or positions.shape != shape
+            or not bool((positions == positions.round()).all() and (positions >= 0).all()
+                        and (positions < want[0].shape[2]).all())):
+        what = tuple(positions.shape) if isinstance(positions, torch.Tensor) else "no tensor"
+        why = (f"shard_sequence of a {tuple(want[0].shape)} tensor gave {what} on {world} rank(s), not this rank's "
+               f"rows of the sequence, shape {shape}")
+        return {"output": why, "gradients": why}
+    mine = [t.gather(2, positions.long()) for t in want]  # SDPA's rows at this rank's positions
+    tol, dtype = CASES.tolerance(case), params["dtype"]
+    hint = CASES.OUTPUT_HINT + (CASES.CAUSAL_HINT if params["causal"] else "")
+    output = CASES.compare("the output", got["out"], mine[0], tol, dtype, hint, kind=rec.get("returned"))
+    if not rec.get("requires_grad"):
+        return {"output": output, "gradients": output or "the output does not require grad: ring_attention must "
+                                                          "support backward"}
+    gradients = next((why for why in (CASES.compare(label, got[name], w, tol, dtype, CASES.GRADIENT_HINT)
+                                      for (label, name), w in zip(CASES.GRADIENTS, mine[1:])) if why), None)
+    return {"output": output, "gradients": output or gradients}
+
+
 # --- what makes one rank's record of a case wrong (None when it is right) -----------------------------------------
 def output_problem(rec) -> str | None:
-    return rec["output"]
+    return attention(rec)["output"]
 
 
 def gradient_problem(rec) -> str | None:
-    return rec["output"] or rec["gradients"]
+    return attention(rec)["gradients"]
 
 
 def p2p_problem(rec) -> str | None:
@@ -66,7 +142,7 @@ def bytes_problem(rec) -> str | None:
     formulas = {"forward": "(N-1) × kv", "backward": "(N-1) × kv for K/V + N × kv for dK/dV (0 on one rank)"}
     for phase, limit in limits.items():
         if phase not in rec:
-            return f"no {phase} ran: {rec['gradients']}"
+            return f"no {phase} ran: {gradient_problem(rec)}"
         sent = rec[phase]["sent"]
         if sent > limit:
             return (f"{phase} sent {sent} bytes on {n} rank(s); the ring sends {formulas[phase]} = {limit} "
@@ -77,7 +153,7 @@ def bytes_problem(rec) -> str | None:
 def saved_problem(rec) -> str | None:
     saved, shard = rec["saved_bytes"], rec["shard_bytes"]
     if saved is None:
-        return rec["output"] or "the forward returned no tensor"
+        return output_problem(rec) or "the forward returned no tensor"
     if saved > shard:
         return (f"the forward left {saved} bytes alive for backward besides q, k, v and the output "
                 f"({saved / shard:.1f} shards of {shard} bytes; allowed: one, e.g. the log-sum-exp): keep only "
@@ -85,26 +161,21 @@ def saved_problem(rec) -> str | None:
     return None
 
 
+def bad_input_problem(rec) -> str | None:
+    return CASES.bad_input_problem(rec["case"].removeprefix("bad-"), rec["world"], rec)
+
+
 # --- the tests ----------------------------------------------------------------------------------------------------
 @pytest.mark.points(1)
 def test_shard_sequence_partitions_the_sequence(jobs):
     """shard_sequence of the positions 0..seq-1: every position on exactly one rank's shard, in every world size."""
-    check(jobs, "layout", lambda rec: rec["partition"])
+    check(jobs, "layout", lambda rec: layout_problem(jobs, rec))
 
 
 @pytest.mark.points(1)
 def test_causal_work_is_balanced(jobs):
     """2-4 ranks: every rank's queries see as many causal (query, key) pairs as every other's (zig-zag)."""
-    def problem(rec):
-        if rec["partition"]:
-            return rec["partition"]
-        if rec["work_max"] != rec["work_min"]:
-            return (f"with a causal mask the ranks' work ranges from {rec['work_min']} to {rec['work_max']} "
-                    f"(query, key) pairs (this rank: {rec['work']}, positions {rec['positions']}): pair an early "
-                    f"chunk with a late one (zig-zag: chunks r and 2N-1-r)")
-        return None
-
-    check(jobs, "layout", problem, [2, 3, 4])
+    check(jobs, "layout", lambda rec: layout_problem(jobs, rec, balanced=True), [2, 3, 4])
 
 
 @pytest.mark.points(2)
@@ -169,4 +240,4 @@ def test_backward_keeps_only_local_state(jobs):
 @pytest.mark.points(1)
 def test_bad_input_raises_value_error(jobs):
     """q/k/v shapes that differ, an odd seq_local, and shard_sequence of an indivisible sequence: ValueError."""
-    check(jobs, "bad-input", lambda rec: rec["problem"])
+    check(jobs, "bad-input", bad_input_problem)

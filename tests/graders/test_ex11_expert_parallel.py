@@ -1,8 +1,9 @@
 """Grader of ex11: expert-parallel dispatch and combine of a mixture-of-experts layer (`gpucourse grade ex11`).
 
 One real job per world size (1, 2, 3 and 4 ranks, through gpucourse.launch; ex11_job.py), side by side. Every
-rank builds the same 12 experts and every rank's tokens and routing from fixed seeds, runs the single-process
-layer as the reference, then the submission on its own tokens with its own E/N experts. What is checked:
+rank builds the same 12 experts and its own tokens and routing from fixed seeds, runs the submission on its own
+tokens with its own E/N experts and saves raw what came out. The tests below run the single-process layer on
+every rank's tokens, here in the grader process from the job's own seeds, and compare. What is checked:
 - dispatch delivers each kept row to the rank of its expert, in the stated order, with its local expert id;
 - the layer equals the single-process one: outputs, gradients of the tokens, the routing weights and every
   expert's weights (balanced routing; and skewed routing, where the splits are uneven);
@@ -16,14 +17,16 @@ layer as the reference, then the submission on its own tokens with its own E/N e
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpucourse import costs
 
-from .job_records import JobRecords, check, launch_jobs
+from .job_records import JobRecords, check, job_module, launch_jobs, raw
 
 pytestmark = pytest.mark.grader
 
 JOB = Path(__file__).with_name("ex11_job.py")
+CASES = job_module(JOB)  # its plan, inputs and comparison: the single-process layer runs here
 WORLD_SIZES = (1, 2, 3, 4)
 CASE_LIMIT_S = 20
 JOB_TIMEOUT_S = 180
@@ -36,17 +39,71 @@ def jobs(submission) -> dict[int, JobRecords]:
                        timeout=JOB_TIMEOUT_S, stall_timeout=3 * CASE_LIMIT_S, env={"OMP_NUM_THREADS": "1"})
 
 
+# --- a rank's raw results against the single-process layer --------------------------------------------------
+def shown(value) -> str:
+    """A saved state field as a learner reads it (saved as its repr when it was neither tensor nor number)."""
+    return value if isinstance(value, str) else repr(value)
+
+
+def findings(rec) -> dict[str, list[str]]:
+    """{"mismatches", "dispatch", "accounting"}: why this rank's output and gradients, what dispatch delivered,
+    and the state's accounting differ from the single-process layer's (empty lists when they do not)."""
+    got, want = raw(rec), CASES.expected(rec["case"], rec["n"])[rec["rank"]]
+    pairs = [("the output", got["y"], want["y"],
+              "expected sum_j w[t, j] * expert_{ids[t, j]}(x[t]) over the kept assignments: combine must put each "
+              "row back at its (token, choice)"),
+             ("tokens.grad", got["x_grad"], want["x_grad"],
+              "in backward, each row's gradient must go back to its source rank and token (AllToAll's backward: the "
+              "splits swapped)"),
+             ("weights.grad", got["w_grad"], want["w_grad"],
+              "each expert output must come back to its own (token, choice)")]
+    for key, w in want["experts"].items():
+        e, name = key.removeprefix("expert").split("/", 1)
+        g = got.get(key)
+        g = torch.zeros_like(w) if g is None and not w.any() else g  # an expert nobody chose: no gradient
+        pairs.append((f"expert {e}'s {name}.grad", g, w, "the expert saw other rows than the single-process layer "
+                                                         "sends it (from every rank)"))
+    mismatches = [why for why in (CASES.compare(*p) for p in pairs) if why]
+    dispatch = [why for why in (
+        CASES.compare("local_tokens", got["arrived_tokens"], want["arrived_tokens"],
+                      "rows by source rank, then local expert, then token order"),
+        CASES.compare("local_expert_ids", got["arrived_ids"], want["arrived_ids"],
+                      "the LOCAL index (0 ... E/N-1) of each row's expert")) if why]
+    accounting, kept_want = [], want["kept"]
+    kept = got["state_kept"]
+    if not isinstance(kept, torch.Tensor) or kept.shape != kept_want.shape or not torch.equal(kept.bool(), kept_want):
+        accounting.append(f"state.kept is not the (T, k) mask of kept assignments: "
+                          f"{int((~kept_want).sum())} of {kept_want.numel()} are over capacity (row-major order)")
+    dropped = got["state_dropped"]
+    if isinstance(dropped, torch.Tensor):
+        dropped = dropped.item() if dropped.numel() == 1 else dropped
+    if dropped != int((~kept_want).sum()):
+        accounting.append(f"state.dropped is {shown(dropped)}; this rank dropped {int((~kept_want).sum())} assignments")
+    tpe, want_tpe = got["state_tokens_per_expert"], want["tokens_per_expert"]
+    if not isinstance(tpe, torch.Tensor) or tpe.shape != want_tpe.shape or not torch.equal(tpe.long(), want_tpe):
+        accounting.append(f"state.tokens_per_expert is {shown(tpe)}; expected this rank's assignments per expert "
+                          f"before the capacity: {want_tpe.tolist()}")
+    return {"mismatches": mismatches, "dispatch": dispatch, "accounting": accounting}
+
+
 # --- what makes one rank's record of a case wrong (None when it is right) ---------------------------
 def equal_problem(rec) -> str | None:
-    return rec["mismatches"][0] if rec["mismatches"] else None
+    found = findings(rec)["mismatches"]
+    return found[0] if found else None
 
 
 def dispatch_problem(rec) -> str | None:
-    return rec["dispatch"][0] if rec["dispatch"] else None
+    found = findings(rec)["dispatch"]
+    return found[0] if found else None
 
 
 def accounting_problem(rec) -> str | None:
-    return (rec["accounting"] or rec["mismatches"] or [None])[0]
+    found = findings(rec)
+    return (found["accounting"] or found["mismatches"] or [None])[0]
+
+
+def divisible_problem(rec) -> str | None:
+    return (CASES.divisible_problems(rec) or [None])[0]
 
 
 def calls_of(rec, phase):
@@ -71,17 +128,19 @@ def collectives_problem(rec) -> str | None:
 
 def bytes_problem(rec) -> str | None:
     """The tokens' all-to-alls move exactly the kept rows, as costs.expert_parallel_all_to_all_bytes predicts."""
-    n, row = rec["n"], rec["row_bytes"]
-    formula = costs.expert_parallel_all_to_all_bytes(rec["tokens"], 2, row // 4, n, bytes_per_value=4,
-                                                     kept_fraction=rec["kept"] / (2 * rec["tokens"]))
-    sent, received = rec["kept"] * row, rec["received"] * row  # the buffers, this rank's own rows included
+    n, row = rec["n"], CASES.HIDDEN * 4  # float32 rows
+    want = CASES.expected(rec["case"], n)[rec["rank"]]  # the single-process layer: which rows are kept, arrive
+    tokens, kept, received = want["tokens"], int(want["kept"].sum()), want["arrived_tokens"].shape[0]
+    formula = costs.expert_parallel_all_to_all_bytes(tokens, 2, row // 4, n, bytes_per_value=4,
+                                                     kept_fraction=kept / (2 * tokens))
+    sent, received = kept * row, received * row  # the buffers, this rank's own rows included
     for phase in ("forward", "backward"):
         calls = calls_of(rec, phase)
         tokens = [c for c in calls if sorted(c["tensor_bytes"]) == sorted([sent, received])]
-        small = [c for c in calls if c not in tokens and max(c["tensor_bytes"] or [0]) <= 8 * rec["num_experts"]]
+        small = [c for c in calls if c not in tokens and max(c["tensor_bytes"] or [0]) <= 8 * CASES.NUM_EXPERTS]
         moved = "; ".join(f"{c['op']} {c['tensor_bytes']} B" for c in calls) or "nothing"
         if len(tokens) != 2 or (phase == "backward" and small) or len(tokens) + len(small) != len(calls):
-            return (f"{phase} moved {moved}; expected two all-to-alls of the kept rows ({rec['kept']} rows x "
+            return (f"{phase} moved {moved}; expected two all-to-alls of the kept rows ({kept} rows x "
                     f"{row} B = {sent} B out, {received} B in; of which {formula:g} B to the other ranks, "
                     f"costs.expert_parallel_all_to_all_bytes)" + (" and at most the counts besides"
                                                                   if phase == "forward" else ""))
@@ -134,4 +193,4 @@ def test_bytes_moved_match_the_formula(jobs):
 @pytest.mark.points(1)
 def test_num_experts_not_divisible_raises_value_error(jobs):
     """num_experts = 2N+1 on N ranks: ValueError naming both sizes, before anything is sent."""
-    check(jobs, "divisible", equal_problem, [2, 3, 4])
+    check(jobs, "divisible", divisible_problem, [2, 3, 4])

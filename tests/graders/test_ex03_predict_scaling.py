@@ -51,7 +51,7 @@ def model(inputs: dict, n: int) -> costs.DDPStep:
     compute = inputs["forward_s"] + inputs["backward_s"]
     return costs.ddp_step_time(compute, inputs["grad_bytes"], n, inputs["alpha"], inputs["beta"],
                                bucket_bytes=inputs["bucket_bytes"], backward_fraction=inputs["backward_s"] / compute,
-                               overlap_cost=0.0)  # the exercise's model: overlap is free (as on a GPU)
+                               overlap_cost=0.0)  # the exercise's model: overlap is free (as expected on a GPU)
 
 
 def comm_bound(inputs: dict, sizes: list[int]) -> int | None:

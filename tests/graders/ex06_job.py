@@ -118,7 +118,8 @@ def specs(world: int) -> list[tuple[str, str, str, dict]]:
     out.append(("row-bias-once", "bias-once", "bias-once", {}))
     out.append(("mlp", "mlp", "mlp", {"seed": 31}))
     if world > 1:
-        out += [(f"divisible-{which}", "divisible", "divisible", {"which": which}) for which in ("column", "row", "mlp")]
+        out += [(f"divisible-{which}", "divisible", "divisible", {"which": which})
+                for which in ("column", "row", "mlp")]
     if world == 4:
         out.append(("groups", "groups", "mlp", {"seed": 41}))  # + the group's index: each group its own MLP
     return out

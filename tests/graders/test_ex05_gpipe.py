@@ -119,8 +119,9 @@ def order_problem(rec, world) -> str | None:
     first_backward, last_forward = order.find("B"), order.rfind("f")
     if 0 <= first_backward < last_forward:
         done = order[:first_backward].count("f")
-        return (f"a backward started when {done} of {n_micro(world, rec['case'])} forwards had run: GPipe runs the forward of "
-                f"every micro-batch, then the backward of every one (one micro-batch at a time is no pipeline)")
+        return (f"a backward started when {done} of {n_micro(world, rec['case'])} forwards had run: GPipe runs the "
+                f"forward of every micro-batch, then the backward of every one (one micro-batch at a time is no "
+                f"pipeline)")
     return None
 
 

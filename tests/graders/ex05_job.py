@@ -3,15 +3,17 @@
     ex05_job.py SUBMISSION.py [--case-limit SECONDS]
 
 test_ex05_gpipe.py launches it through gpucourse.launch on 2 and 4 ranks (one stage per rank). Every rank
-builds the same model from the same seed, keeps its own slice of it as its stage, and also runs the whole
-model by itself on the full batch: the reference. It logs one record per case (jobkit.record_writer), e.g.
+builds the same model from the same seed (`make_model`) and keeps its own slice of it as its stage; after
+gpipe_step it saves, raw, what the submission produced: the stage's gradients and what gpipe_step returned.
+The rank judges nothing: the grader process runs the whole model on the full batch itself (`reference`) and
+compares. Each rank logs one record per case (jobkit.record_writer), e.g.
 
-    {"case": "equiv-p2-m4", "group": "equiv", "error": None, "max_grad_diff": 3e-9, "grad_scale": 0.4,
-     "loss": 0.81, "ref_loss": 0.81, "returned": "tensor", "forward_calls": 4, "forward_times": [[t0, t1], ...],
-     "collectives": [], "p2p_calls": 16}
+    {"case": "equiv-p2-m4", "group": "equiv", "error": None, "raw": ["grads", "loss"], "returned": "tensor",
+     "forward_calls": 4, "forward_times": [[t0, t1], ...], "order": "FSfFSf...", "collectives": [],
+     "p2p_calls": 16}
 
-Cases: equivalence with the unsplit model for several micro-batch counts (2-d and 3-d activations of
-changing widths), an overlap case whose stages sleep a known time per micro-batch (the tests compare the
+Cases (`specs`): equivalence with the unsplit model for several micro-batch counts (2-d and 3-d activations
+of changing widths), an overlap case whose stages sleep a known time per micro-batch (the tests compare the
 stages' forward times across ranks), and invalid arguments (last: a submission that does not reject them
 may hang, and the watchdog then ends the rank). Each equivalence case also records the stage's schedule as
 "order": F and f where a forward starts and ends, B where backward reaches its output, S for each send.
@@ -19,22 +21,18 @@ The submission runs under guard: every collective it calls, through any layer, i
 runs, so that a rank does not hang waiting for the others), point-to-point calls are counted, its output is
 capped, and a watchdog ends the rank, after logging why, when a case runs longer than --case-limit.
 """
-import argparse
-import copy
 import functools
-import os
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
 from gpucourse import runtime
 
 SLEEP_S = 0.1  # per micro-batch forward in the overlap cases: long against a send, and a busy machine's delays
-SUBMISSION = [""]
+MODEL_SEED = 11
 
 
 # --- the guard ------------------------------------------------------------------------------------
@@ -42,8 +40,9 @@ class Guard(jobkit.Guard):
     """Records the collectives and counts the point-to-point calls the submission makes (comm_recorder: any
     layer), and notes each send in the stage's schedule as it happens."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, submission: str):
         super().__init__(comm)
+        self.submission = submission  # tracebacks are reported at the submission's own lines
         self.order = ""  # this rank's schedule: F/f a forward starts/ends, B a backward reaches it, S a send
         comm.on_event = self._noted
 
@@ -61,12 +60,11 @@ class Guard(jobkit.Guard):
     def p2p(self) -> int:
         return sum(e["kind"] == "p2p" for e in self.comm.events)
 
+    def one_line(self, err: BaseException) -> str:
+        return jobkit.one_line(err, self.submission)
 
-def one_line(err: BaseException) -> str:
-    return jobkit.one_line(err, SUBMISSION[0])
 
-
-# --- the models -------------------------------------------------------------------------------------
+# --- the models and the data: the same in every rank and in the grader process ---------------------
 class Sleepy(nn.Module):
     """A layer that also sleeps a known time: stage compute long enough to see overlap on a loaded machine."""
 
@@ -81,12 +79,52 @@ class Sleepy(nn.Module):
 
 def make_model(n_stages: int, first_width: int = 12, out_width: int = 5) -> list[nn.Module]:
     """n_stages blocks of two Linear+Tanh layers; the widths change from stage to stage, so every stage sends
-    and receives activations of its own shape."""
+    and receives activations of its own shape. Seeded: the same model wherever it is built."""
+    torch.manual_seed(MODEL_SEED)
     widths = [first_width] + [16 + 4 * (i % 3) for i in range(2 * n_stages - 1)] + [out_width]
     layers = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(widths, widths[1:])]
     return [nn.Sequential(*layers[2 * s:2 * s + 2]) for s in range(n_stages)]
 
 
+def data(batch: int, seq: int | None, in_width: int = 12, out_width: int = 5):
+    gen = torch.Generator().manual_seed(7)
+    shape = (batch,) if seq is None else (batch, seq)
+    return torch.randn(*shape, in_width, generator=gen), torch.randn(*shape, out_width, generator=gen)
+
+
+def specs(world: int) -> list[tuple[str, str, dict]]:
+    """(case, group, options) in the order they run on `world` stages."""
+    cases = [(f"equiv-p{world}-m1", "equiv", {"batch": 8, "n_micro": 1}),
+             (f"equiv-p{world}-m4", "equiv", {"batch": 8, "n_micro": 4}),
+             (f"equiv-p{world}-m3-3d", "equiv", {"batch": 6, "n_micro": 3, "seq": 3}),
+             (f"overlap-p{world}-m4", "overlap", {"batch": 8, "n_micro": 4, "sleep": SLEEP_S})]
+    if world == 4:
+        cases.insert(3, (f"equiv-p{world}-m8", "equiv", {"batch": 16, "n_micro": 8}))
+    if world == 2:  # invalid arguments last: a submission that ignores them may hang until the watchdog
+        cases += [("invalid-n_micro-0", "invalid", {"batch": 8, "n_micro": 0}),
+                  ("invalid-batch-6-m4", "invalid", {"batch": 6, "n_micro": 4})]
+    return cases
+
+
+def options(world: int, case: str) -> dict:
+    for name, _, opts in specs(world):
+        if name == case:
+            return opts
+    raise KeyError(f"ex05 plans no case {case!r} on {world} stage(s)")
+
+
+def reference(world: int, case: str) -> dict:
+    """The unsplit model on the full batch, in one process (the grader's): {"loss": the mean loss, "grads":
+    [{parameter name: gradient} of each stage]}. Computed in the grader process, never in a rank."""
+    opts = options(world, case)
+    blocks = make_model(world)
+    x, y = data(opts["batch"], opts.get("seq"))
+    loss = nn.MSELoss()(nn.Sequential(*blocks)(x), y)
+    loss.backward()
+    return {"loss": loss.detach(), "grads": [{n: p.grad for n, p in block.named_parameters()} for block in blocks]}
+
+
+# --- the cases, as each rank runs them: what the submission produced, saved raw ---------------------
 def watch_forward(stage: nn.Module) -> list[list[float]]:
     """[[start, end], ...] wall-clock times of every call of stage's forward (comparable across ranks)."""
     times: list[list[float]] = []
@@ -112,46 +150,26 @@ def watch_order(stage: nn.Module, guard: Guard) -> None:
     stage.register_forward_hook(ended)
 
 
-def data(batch: int, seq: int | None, in_width: int = 12, out_width: int = 5):
-    gen = torch.Generator().manual_seed(7)
-    shape = (batch,) if seq is None else (batch, seq)
-    return torch.randn(*shape, in_width, generator=gen), torch.randn(*shape, out_width, generator=gen)
-
-
-# --- the cases ---------------------------------------------------------------------------------------
 def case_equiv(gpipe_step, guard, batch, n_micro, seq=None, sleep=0.0):
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(11)
-    blocks = make_model(world)
-    reference = nn.Sequential(*copy.deepcopy(blocks))
-    stage = Sleepy(blocks[rank], sleep) if sleep else blocks[rank]
+    block = make_model(world)[rank]
+    stage = Sleepy(block, sleep) if sleep else block
     times = watch_forward(stage)
     watch_order(stage, guard)
     x, y = data(batch, seq)
-    loss_fn = nn.MSELoss()
-    ref_loss = loss_fn(reference(x), y)
-    ref_loss.backward()  # the unsplit model, on the full batch, in this process
     first, last = rank == 0, rank == world - 1
     with guard.watching():
-        out = gpipe_step(stage, x if first else None, y if last else None, loss_fn, n_micro)
-    mine, ref = list(blocks[rank].parameters()), list(reference[rank].parameters())
-    missing = sum(p.grad is None for p in mine)
-    diffs = [(p.grad - r.grad).abs().max().item() for p, r in zip(mine, ref) if p.grad is not None]
-    scales = [(p.grad.norm() / r.grad.norm()).item() for p, r in zip(mine, ref) if p.grad is not None]
+        out = gpipe_step(stage, x if first else None, y if last else None, nn.MSELoss(), n_micro)
     returned = "None" if out is None else "tensor" if isinstance(out, torch.Tensor) else type(out).__name__
-    loss = float(out) if returned in ("tensor", "float") and (not isinstance(out, torch.Tensor) or out.numel() == 1) \
-        else None
-    return {"max_grad_diff": max(diffs) if diffs else None, "missing_grads": missing,
-            "grad_scale": sum(scales) / len(scales) if scales else None, "returned": returned, "loss": loss,
-            "ref_loss": ref_loss.item(), "forward_calls": len(times), "forward_times": times, "n_micro": n_micro,
-            "batch": batch, "collectives": guard.collectives, "p2p_calls": guard.p2p, "world": world,
-            "order": guard.order}
+    loss = out if isinstance(out, (torch.Tensor, float)) else None
+    return {"raw": {"grads": {n: p.grad for n, p in block.named_parameters()}, "loss": loss}, "returned": returned,
+            "forward_calls": len(times), "forward_times": times, "collectives": guard.collectives,
+            "p2p_calls": guard.p2p, "order": guard.order}
 
 
 def case_invalid(gpipe_step, guard, batch, n_micro):
     """Arguments to reject: which exception each rank raised (None: it returned)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(11)
     stage = make_model(world)[rank]
     x, y = data(batch, None)
     raised = None
@@ -159,51 +177,41 @@ def case_invalid(gpipe_step, guard, batch, n_micro):
         try:
             gpipe_step(stage, x if rank == 0 else None, y if rank == world - 1 else None, nn.MSELoss(), n_micro)
         except Exception as err:  # noqa: BLE001 - which exception it is, is what this case records
-            raised = {"type": type(err).__name__, "value_error": isinstance(err, ValueError), "line": one_line(err)}
-    return {"raised": raised, "batch": batch, "n_micro": n_micro, "collectives": guard.collectives,
-            "holds_data": rank in (0, world - 1)}
+            raised = {"type": type(err).__name__, "value_error": isinstance(err, ValueError),
+                      "line": guard.one_line(err)}
+    return {"raised": raised, "collectives": guard.collectives}
 
 
-def plan(world: int) -> list[tuple[str, str, object]]:
-    """(case, group, function of (gpipe_step, guard)) in the order they run."""
-    p = functools.partial
-    cases = [(f"equiv-p{world}-m1", "equiv", p(case_equiv, batch=8, n_micro=1)),
-             (f"equiv-p{world}-m4", "equiv", p(case_equiv, batch=8, n_micro=4)),
-             (f"equiv-p{world}-m3-3d", "equiv", p(case_equiv, batch=6, n_micro=3, seq=3)),
-             (f"overlap-p{world}-m4", "overlap", p(case_equiv, batch=8, n_micro=4, sleep=SLEEP_S))]
-    if world == 4:
-        cases.insert(3, (f"equiv-p{world}-m8", "equiv", p(case_equiv, batch=16, n_micro=8)))
-    if world == 2:  # invalid arguments last: a submission that ignores them may hang until the watchdog
-        cases += [("invalid-n_micro-0", "invalid", p(case_invalid, batch=8, n_micro=0)),
-                  ("invalid-batch-6-m4", "invalid", p(case_invalid, batch=6, n_micro=4))]
-    return cases
+class Ex05Job(jobkit.GradingJob):
+    """ex05's grading job: every case on this job's number of stages (one per rank)."""
 
+    name, wanted = "ex05", ("gpipe_step",)
+    reason = ("a deadlock (a recv no rank sends to, or two ranks both waiting in send/recv for each other), an "
+              "endless loop, or far too slow")
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("submission")
-    parser.add_argument("--case-limit", type=float, default=15.0)
-    args = parser.parse_args()
-    SUBMISSION[0] = os.path.abspath(args.submission)
-    ctx = runtime.setup(seed=0, seed_per_rank=False)
-    torch.set_num_threads(1)
-    # The first `tensor.backward(gradient)` of a process imports sympy (seconds on a loaded machine): pay for it
-    # here, not inside the first case's time limit (and not as a stall of every stage waiting for the next).
-    torch.ones(2, requires_grad=True).mul(2).backward(torch.ones(2))
-    log = jobkit.record_writer()  # before the submission is imported: see record_writer
-    guard, watchdog = Guard(comm_recorder.install()), jobkit.Watchdog(
-        "a deadlock (a recv no rank sends to, or two ranks both waiting in send/recv for each other), an endless "
-        "loop, or far too slow", log)
-    cases = plan(ctx.world_size)
-    log(case="plan", cases={case: group for case, group, _ in cases})
+    def setup(self):
+        return runtime.setup(seed=0, seed_per_rank=False)
 
-    module = jobkit.import_or_exit(args.submission, "ex05", ["gpipe_step"], guard.watching, watchdog, args.case_limit,
-                                   log)
-    # A case that raised still reports the collectives it had called (its own record has them otherwise).
-    jobkit.run_cases(cases, (module.gpipe_step, guard), watchdog, args.case_limit, args.submission, log,
-                     fields=lambda: {"collectives": guard.collectives})
-    runtime.teardown()
+    def prepare(self) -> None:
+        torch.set_num_threads(1)
+        # The first `tensor.backward(gradient)` of a process imports sympy (seconds on a loaded machine): pay for
+        # it here, not inside the first case's time limit (and not as a stall of every stage waiting for the next).
+        torch.ones(2, requires_grad=True).mul(2).backward(torch.ones(2))
+
+    def make_guard(self, comm) -> Guard:
+        return Guard(comm, self.submission)
+
+    def plan(self) -> list[tuple]:
+        run = {"equiv": case_equiv, "overlap": case_equiv, "invalid": case_invalid}
+        return [(case, group, functools.partial(run[group], **opts)) for case, group, opts in
+                specs(self.ctx.world_size)]
+
+    def case_args(self, module) -> tuple:
+        return module.gpipe_step, self.guard
+
+    def fields(self) -> dict:  # a case that raised still reports the collectives it had called
+        return {"collectives": self.guard.collectives}
 
 
 if __name__ == "__main__":
-    main()
+    jobkit.main(Ex05Job)

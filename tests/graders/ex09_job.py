@@ -3,26 +3,27 @@
     ex09_job.py SUBMISSION.py --dp D --tp T [--case-limit SECONDS]
 
 test_ex09_fix_2d.py launches it on a 2x2, a 2x1 and a 1x2 mesh. The grader makes the mesh before the submission
-is imported; each rank logs one record per case (jobkit.record_writer), e.g.
+is imported; each rank logs one record per case (jobkit.record_writer) and saves what the submission produced,
+raw: every parameter whole (DTensors gathered with full_tensor(), a collective of the grader's, on every rank)
+and, in train, the inputs each forward of the model was fed. E.g.
 
-    {"case": "train", "group": "train", "error": None, "coords": [1, 0], "rows": [[4, 5, 6, 7], ...],
-     "losses": [3.61, 3.52, 3.41], "expected_losses": [...], "max_diff": 2e-08, "worst": "blocks.0.fc.weight"}
+    {"case": "train", "group": "train", "error": None, "raw": ["fed", "params"], "losses": [3.61, 3.52, 3.41]}
 
 Cases:
-  init   build_model(mesh, vocab, seed), called with a different random state on every rank: every parameter
-         (DTensors gathered with full_tensor()) against `torch.manual_seed(seed); TinyLM(vocab)` in one process.
+  init   build_model(mesh, vocab, seed), called with a different random state on every rank: its parameters.
   train  a fresh build_model, then STEPS train_step calls on global batches that are the same on every rank; SGD
-         with momentum (which, unlike Adam, notices gradients that are summed instead of averaged). Recorded: the
-         rows of the global batch each forward of the model was fed, each step's returned loss, and the largest
-         difference of the final parameters from one process training the same model on the whole batch.
+         with momentum (which, unlike Adam, notices gradients that are summed instead of averaged). Saved: what
+         each forward of the model was fed, each step's returned loss, and the final parameters.
 
-The one-process reference runs in this rank, with the submission's own TinyLM (the model is not what is graded;
-its parallel training is) in the grader's own loop, outside the submission's calls: a plain module, no
-process group, the whole batch. What the submission does is watched (comm_recorder, capped output); a case that
-runs past --case-limit (a collective some ranks never call) is reported and ends the rank.
+The rank judges nothing. The grader process trains one process on the whole batch (`reference`: the course's
+TinyLM, which the exercise gives and does not grade: `course_model`; no process group) and compares the
+parameters (`compare`) and losses; it finds which rows of the global batch each forward was fed (`rows_of`).
+What the submission does is watched (comm_recorder, capped output); a case that runs past --case-limit (a
+collective some ranks never call) is reported and ends the rank.
 """
-import argparse
+import ast
 import functools
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,14 +31,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
-import comm_recorder  # beside this script: what a submission communicates
 import jobkit  # beside this script: what every grading job shares
 from gpucourse import runtime
 
 VOCAB, SEED, BATCH, CONTEXT, STEPS, LR = 32, 5, 8, 8, 3, 0.2
 FUNCTIONS = ("build_model", "train_step", "TinyLM")
+COURSE = Path(__file__).resolve().parents[2]  # the checkout (or the learners' release) this grader belongs to
+MODEL_CLASSES = ("Block", "TinyLM")  # what the exercise gives and does not grade: the one process trains these
 
 
+# --- the inputs: the same in every rank and in the grader process ------------------------------------
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Global batch `step`: random token ids and next-token targets, the same on every rank. Row 0's first token
     is 0, row 1's 1, ...: every row is distinct, so a row fed to the model names its index."""
@@ -52,27 +55,31 @@ def optimizer(model) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, foreach=False)
 
 
-def full_params(model) -> dict[str, torch.Tensor]:
-    """Every parameter whole: DTensors gathered over their mesh (a collective of the grader's, on every rank)."""
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in model.named_parameters()}
+# --- the reference and the comparisons: the grader process's, never a rank's --------------------------
+def course_model():
+    """The TinyLM class the course gives (the exercise's model: it is not what is graded), for the one-process
+    reference: solutions/ex09_fix_2d.py's, or, in a learners' release (no solutions/), the exercise file's.
+    Only its imports and the MODEL_CLASSES definitions are run, in a namespace of their own: none of the file's
+    other code (a submission's module-level code, its train_step) ever runs in the grader process."""
+    found = [path for path in (COURSE / "solutions" / "ex09_fix_2d.py", COURSE / "exercises" / "ex09_fix_2d.py")
+             if path.is_file()]
+    if not found:
+        raise FileNotFoundError(f"ex09's grader trains the course's TinyLM, from solutions/ or exercises/"
+                                f"ex09_fix_2d.py under {COURSE}, and finds neither: restore exercises/ex09_fix_2d.py")
+    tree = ast.parse(found[0].read_text(), str(found[0]))
+    keep = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+            or isinstance(node, ast.ClassDef) and node.name in MODEL_CLASSES]
+    namespace: dict = {"__name__": "_ex09_course_model"}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(found[0]), "exec"), namespace)  # noqa: S102
+    if not isinstance(namespace.get("TinyLM"), type):
+        raise AttributeError(f"{found[0]} defines no class TinyLM: restore the course's (the exercise gives it)")
+    return namespace["TinyLM"]
 
 
-def compare(model, reference: dict) -> dict:
-    """The largest difference of the model's parameters from the reference's, and where it is."""
-    got = full_params(model)
-    if set(got) != set(reference):
-        raise ValueError(f"build_model's model has parameters {sorted(set(got) ^ set(reference))[:3]} that "
-                         "TinyLM(vocab) has not, or lacks them: return the TinyLM it built, parallelized in place")
-    diffs = {name: (got[name].double() - ref.double()).abs().max().item() for name, ref in reference.items()}
-    worst = max(diffs, key=lambda n: diffs[n] if diffs[n] == diffs[n] else float("inf"))  # NaN is the worst
-    return {"max_diff": diffs[worst], "worst": worst}
-
-
-def reference(module) -> dict:
-    """One process, the whole batch, the submission's TinyLM: initial parameters, losses, final parameters."""
+def reference(model_class) -> dict:
+    """One process, the whole batch: initial parameters, losses, final parameters."""
     torch.manual_seed(SEED)
-    model = module.TinyLM(VOCAB)
+    model = model_class(VOCAB)
     init = {name: p.detach().clone() for name, p in model.named_parameters()}
     opt, losses = optimizer(model), []
     for step in range(STEPS):
@@ -85,70 +92,90 @@ def reference(module) -> dict:
     return {"init": init, "losses": losses, "final": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+def compare(got: dict, reference: dict) -> dict:
+    """The largest difference of the submission's parameters (whole) from the reference's, and where it is;
+    {"names": ...} when the names or shapes differ from TinyLM(vocab)'s."""
+    odd = sorted(set(got) ^ set(reference)) or sorted(n for n in reference if got[n].shape != reference[n].shape)
+    if odd:
+        return {"names": odd[:3]}
+    diffs = {name: (got[name].double() - ref.double()).abs().max().item() for name, ref in reference.items()}
+    worst = max(diffs, key=lambda n: diffs[n] if diffs[n] == diffs[n] else float("inf"))  # NaN is the worst
+    return {"max_diff": diffs[worst], "worst": worst}
+
+
 def rows_of(fed: torch.Tensor, x: torch.Tensor) -> list[int]:
     """The global batch's row index of every row fed to the model (-1 for a row that is none of them)."""
-    fed = fed.detach().reshape(-1, fed.shape[-1]) if fed.dim() > 1 else fed.detach().view(1, -1)
+    fed = fed.reshape(-1, fed.shape[-1]) if fed.dim() > 1 else fed.view(1, -1)
     return [next((j for j in range(x.shape[0]) if fed.shape[-1] == x.shape[1] and torch.equal(row, x[j])), -1)
             for row in fed]
 
 
-def case_init(module, mesh, guard, ref) -> dict:
+# --- the cases, as each rank runs them: what the submission produced, saved raw ----------------------
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter whole: DTensors gathered over their mesh (a collective of the grader's, on every rank)."""
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def plain(fed) -> torch.Tensor:
+    """What a forward was fed, as a plain tensor (a DTensor: this rank's part; not a tensor: empty)."""
+    if isinstance(fed, DTensor):
+        fed = fed.to_local()
+    return fed.detach().clone() if isinstance(fed, torch.Tensor) else torch.empty(0)
+
+
+def case_init(module, mesh, guard) -> dict:
     torch.manual_seed(100 + dist.get_rank())  # a different random state on every rank, as after other work
     with guard.watching():
         model = module.build_model(mesh, vocab=VOCAB, seed=SEED)
-    return compare(model, ref["init"])
+    return {"raw": {"params": full_params(model)}}
 
 
-def case_train(module, mesh, guard, ref) -> dict:
+def case_train(module, mesh, guard) -> dict:
     torch.manual_seed(200 + dist.get_rank())
     with guard.watching():
         model = module.build_model(mesh, vocab=VOCAB, seed=SEED)
-    opt, fed, rows, losses = optimizer(model), [], [], []
-    model.register_forward_pre_hook(lambda _, args: fed.append(args[0] if args else torch.empty(0)))
+    opt, fed, losses, calls = optimizer(model), [], [], []
+    model.register_forward_pre_hook(lambda _, args: calls.append(plain(args[0]) if args else torch.empty(0)))
     for step in range(STEPS):
         x, y = batch(step)
-        fed.clear()
+        calls.clear()
         with guard.watching():
             loss = module.train_step(model, opt, x.clone(), y.clone(), mesh)
-        rows.append([r for inputs in fed for r in rows_of(inputs, x)])
+        fed.append(list(calls))
         losses.append(float(loss) if isinstance(loss, (float, int, torch.Tensor)) and not isinstance(loss, bool)
                       and (not isinstance(loss, torch.Tensor) or loss.numel() == 1) else repr(loss)[:80])
-    return {"rows": rows, "losses": losses, "expected_losses": ref["losses"], **compare(model, ref["final"])}
+    return {"raw": {"fed": fed, "params": full_params(model)}, "losses": losses}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("submission")
-    parser.add_argument("--dp", type=int, required=True)
-    parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--case-limit", type=float, default=20.0)
-    args = parser.parse_args()
-    ctx = runtime.setup(timeout_s=3 * args.case_limit)  # a collective that never completes raises after this
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
-    coords = [mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()]
-    log = jobkit.record_writer()  # before the submission is imported: see record_writer
-    guard = jobkit.Guard(comm_recorder.install())
-    watchdog = jobkit.Watchdog("a collective some ranks call and others do not (a different group, a different "
-                               "number of steps), an endless loop, or far too slow", log)
-    cases = [("init", "init", case_init), ("train", "train", case_train)]
-    log(case="plan", cases={case: group for case, group, _ in cases}, world_size=ctx.world_size, dp=args.dp,
-        tp=args.tp, batch=BATCH)
-    module = jobkit.import_or_exit(args.submission, "ex09", FUNCTIONS, guard.watching, watchdog, args.case_limit,
-                                   log)
-    with watchdog.case_limit("import", "import", args.case_limit):
-        try:
-            ref = reference(module)  # the grader's loop around the submission's TinyLM, no process group
-        except Exception as err:  # noqa: BLE001 - a broken TinyLM is graded, not a grader crash
-            log(case="import", group="import", error=f"TinyLM(vocab) does not train in one process: "
-                                                      f"{jobkit.one_line(err, args.submission)}")
-            runtime.teardown()
-            raise SystemExit(1) from None
-    jobkit.run_cases([(case, group, functools.partial(run, module, mesh, guard)) for case, group, run in cases],
-                     (ref,), watchdog, args.case_limit, args.submission, log,
-                     fields=lambda: {"coords": coords, "dp": args.dp, "tp": args.tp})
-    runtime.teardown()
+class Ex09Job(jobkit.GradingJob):
+    """ex09's grading job: the init and train cases on one (dp, tp) mesh, made before the submission is imported."""
+
+    name, wanted = "ex09", FUNCTIONS
+    case_limit = 20.0
+    reason = ("a collective some ranks call and others do not (a different group, a different number of steps), "
+              "an endless loop, or far too slow")
+
+    def options(self, parser) -> None:
+        parser.add_argument("--dp", type=int, required=True)
+        parser.add_argument("--tp", type=int, required=True)
+
+    def setup(self):
+        return runtime.setup(timeout_s=3 * self.args.case_limit)  # a collective that never completes raises then
+
+    def prepare(self) -> None:
+        torch.set_num_threads(1)
+        self.mesh = init_device_mesh("cpu", (self.args.dp, self.args.tp), mesh_dim_names=("dp", "tp"))
+
+    def plan(self) -> list[tuple]:
+        return [("init", "init", case_init), ("train", "train", case_train)]
+
+    def plan_fields(self) -> dict:
+        return {"dp": self.args.dp, "tp": self.args.tp, "batch": BATCH}
+
+    def case_args(self, module) -> tuple:
+        return module, self.mesh, self.guard
 
 
 if __name__ == "__main__":
-    main()
+    jobkit.main(Ex09Job)

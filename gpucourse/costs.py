@@ -365,20 +365,46 @@ def ddp_step_time(compute_s, grad_bytes, n, alpha, beta, *, bucket_bytes=25 * 2*
     _check_nonneg(compute_s, "compute_s")
     _check_nonneg(grad_bytes, "grad_bytes")
     _require(bucket_bytes > 0, f"bucket_bytes must be > 0, got {bucket_bytes}")
-    _require(0 <= backward_fraction <= 1, "backward_fraction must be between 0 and 1 (backward's share of "
-                                          f"forward + backward, about 2/3), got {backward_fraction}")
-    _require(0 <= overlap_cost <= 1, "overlap_cost must be between 0 (overlap is free) and 1 (an all-reduce beside "
-                                     f"compute costs as much as one after it), got {overlap_cost}")
+    _check_step_options(backward_fraction, overlap_cost)
     full, rest = divmod(grad_bytes, bucket_bytes)
     t_full = collective_time("all_reduce", bucket_bytes, n, alpha, beta)
     t_rest = collective_time("all_reduce", rest, n, alpha, beta) if rest else 0.0
     comm = full * t_full + t_rest
     last = t_rest if rest else (t_full if full else 0.0)
+    return _ddp_step(compute_s, comm, last, int(full) + (1 if rest else 0), overlap, backward_fraction, overlap_cost)
+
+
+def ddp_step_from_bucket_times(compute_s, bucket_times, *, overlap=True, backward_fraction=BACKWARD_FRACTION,
+                               overlap_cost=0.0):
+    """ddp_step_time's step, from measured all-reduce times instead of the alpha-beta ring.
+
+    bucket_times: the seconds each bucket's all-reduce took, measured apart from compute, in the order DDP
+    sends them (the last one is the bucket backward finishes last: the first layers'). The overlap rule is
+    ddp_step_time's, the same function: only where the communication time comes from differs. Use it when
+    an alpha-beta line does not fit your collective at the sizes your buckets have (gloo on CPU: a line
+    fitted from 4 KiB to 16 MiB can miss a 1 MiB all-reduce by 2x); use ddp_step_time to extrapolate.
+    """
+    _check_nonneg(compute_s, "compute_s")
+    times = [float(t) for t in bucket_times]
+    _require(len(times) > 0 and all(t >= 0 for t in times),
+             f"bucket_times must be one or more non-negative seconds (one per bucket), got {bucket_times!r}")
+    _check_step_options(backward_fraction, overlap_cost)
+    return _ddp_step(compute_s, sum(times), times[-1], len(times), overlap, backward_fraction, overlap_cost)
+
+
+def _check_step_options(backward_fraction, overlap_cost):
+    _require(0 <= backward_fraction <= 1, "backward_fraction must be between 0 and 1 (backward's share of "
+                                          f"forward + backward, about 2/3), got {backward_fraction}")
+    _require(0 <= overlap_cost <= 1, "overlap_cost must be between 0 (overlap is free) and 1 (an all-reduce beside "
+                                     f"compute costs as much as one after it), got {overlap_cost}")
+
+
+def _ddp_step(compute_s, comm, last, num_buckets, overlap, backward_fraction, overlap_cost):
+    """The overlap rule of a DDP step, given its all-reduce time in total (comm) and of its last bucket."""
     backward = backward_fraction * compute_s
     exposed = max(last, comm - backward) if overlap else comm
     penalty = overlap_cost * (comm - exposed)
-    return DDPStep(compute_s, backward, comm, exposed, compute_s + exposed + penalty,
-                   int(full) + (1 if rest else 0), penalty)
+    return DDPStep(compute_s, backward, comm, exposed, compute_s + exposed + penalty, num_buckets, penalty)
 
 
 def scaling_efficiency(single_step_s, step_s):

@@ -6,6 +6,10 @@ Three ways to run a step, all on the same DDP-wrapped model:
     --no-ddp        no-ddp      backward under no_sync() and nothing else: compute alone, no communication
     --compare       all three, alternating step by step, so that all three see the same load on the machine
 
+With --compare on more than one rank, every step also times the no-overlap mode's all-reduces alone, bucket by
+bucket, with no compute beside them (mode "comm", bucket_ms: one time per bucket in the order they are sent):
+what communication costs on this machine during this very launch, measured apart from the steps it helps predict.
+
 Each rank trains on its own random batch of --batch samples (weak scaling: the global batch grows with the
 world size). After --warmup untimed steps per mode (DDP settles its buckets in the second), --steps steps per
 mode are timed and logged (mode, step_ms, forward_ms, backward_ms, samples_per_s of this rank; no-ddp's
@@ -69,8 +73,11 @@ GROUPS = buckets_after_backward()
 
 
 def allreduce_after_backward():
-    """What DDP does, minus the overlap: average each bucket's gradients, one bucket after the other."""
+    """What DDP does, minus the overlap: average each bucket's gradients, one bucket after the other.
+    Returns the seconds each bucket took (copies in and out included, as DDP's reducer does them too)."""
+    seconds = []
     for group in GROUPS:
+        start = time.perf_counter()
         flat = torch.cat([p.grad.flatten() for p in group])
         dist.all_reduce(flat)
         flat /= ctx.world_size
@@ -78,6 +85,9 @@ def allreduce_after_backward():
         for p in group:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
             offset += p.numel()
+        sync()
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def sync():
@@ -128,6 +138,12 @@ for step in range(args.steps):
         seconds = time.perf_counter() - start
         runtime.log(step=step, total=args.steps, mode=mode, step_ms=seconds * 1e3, forward_ms=forward_s * 1e3,
                     backward_ms=backward_s * 1e3, samples_per_s=args.batch / seconds)
+    if args.compare and ctx.world_size > 1:  # the same all-reduces alone (the gradients of the last step)
+        sync()
+        dist.barrier()  # all ranks start together: no rank's wait for a slower one's compute counts as comm
+        bucket_s = allreduce_after_backward()
+        runtime.log(step=step, total=args.steps, mode="comm", step_ms=sum(bucket_s) * 1e3,
+                    bucket_ms=[s * 1e3 for s in bucket_s])
 
 if args.profile_steps:
     for mode in MODES:

@@ -19,6 +19,7 @@ from gpucourse.costs import (
     busbw_factor,
     bytes_moved_per_rank,
     collective_time,
+    ddp_step_from_bucket_times,
     ddp_step_time,
     fit_alpha_beta,
     pipeline_bubble_fraction,
@@ -340,6 +341,29 @@ def test_ddp_step_overlap_cost_charges_the_hidden_communication():
     assert full.step == pytest.approx(0.22) and serial.step == pytest.approx(0.22)
     # the default, 0, is free overlap
     assert ddp_step_time(0.12, 10**8, 2, 0.0, 1e-9, bucket_bytes=10**6).overlap_penalty == 0.0
+
+
+def test_ddp_step_from_measured_bucket_times():
+    # three buckets measured at 4, 3 and 2 ms (the last is sent last: exposed at least), compute 12 ms of which
+    # backward 2/3 = 8 ms: comm 9 ms, exposed = max(2, 9 - 8) = 2 ms, hidden 7 ms; overlap cost 0.5 -> 3.5 ms
+    r = ddp_step_from_bucket_times(0.012, [0.004, 0.003, 0.002], overlap_cost=0.5)
+    assert r.num_buckets == 3 and r.comm == pytest.approx(0.009)
+    assert r.exposed == pytest.approx(0.002) and r.overlap_penalty == pytest.approx(0.0035)
+    assert r.step == pytest.approx(0.012 + 0.002 + 0.0035)
+    # the order matters: a big last bucket is what stays exposed
+    assert ddp_step_from_bucket_times(0.012, [0.002, 0.003, 0.004]).exposed == pytest.approx(0.004)
+    # without overlap everything is exposed, whatever the order
+    assert ddp_step_from_bucket_times(0.012, [0.004, 0.003, 0.002], overlap=False).step == pytest.approx(0.021)
+    # the same rule as ddp_step_time: alpha-beta bucket times handed over give its answer
+    ab = ddp_step_time(0.15, 100 * MiB, 4, 10e-6, 1e-9, overlap_cost=0.3)
+    same = ddp_step_from_bucket_times(0.15, [costs.collective_time("all_reduce", 25 * MiB, 4, 10e-6, 1e-9)] * 4,
+                                      overlap_cost=0.3)
+    assert dataclasses.astuple(same) == pytest.approx(dataclasses.astuple(ab))
+    for bad in ([], [0.001, -0.002]):
+        with pytest.raises(ValueError, match="bucket_times must be one or more non-negative seconds"):
+            ddp_step_from_bucket_times(0.01, bad)
+    with pytest.raises(ValueError, match="overlap_cost must be between 0"):
+        ddp_step_from_bucket_times(0.01, [0.001], overlap_cost=2)
 
 
 def test_ddp_step_overlap_cost_needs_something_hidden():

@@ -14,8 +14,8 @@ contribution) and compares (`compare`). Each rank logs one record per case:
     {"case": "balanced", "group": "balanced", "error": None, "raw": ["arrived_ids", "arrived_tokens", ...],
      "calls": [{"phase": "forward", "op": "all_to_all_single", "tensor_bytes": [...]}], "n": 2, ...}
 
-Cases (`plan`), in this order (the uneven ones last: a submission that never exchanges the counts aborts gloo
-there, and a rank that aborts ends the job):
+Cases (`plan`), in this order (the ones with uneven splits last: a submission that never exchanges the counts
+aborts gloo there, and a rank that aborts ends the job):
   balanced   every expert gets the same number of rows from every rank (sends and receives are even); token
              order shuffled. Outputs, gradients (tokens, routing weights, local experts' weights), what
              dispatch delivered (rows and local expert ids, in the stated order), and the collectives.
@@ -23,13 +23,12 @@ there, and a rank that aborts ends the job):
              dropped, and what is kept is still even. Outputs, gradients, kept / dropped / tokens_per_expert.
   divisible  (2-4 ranks) num_experts = 2N+1: what dispatch raised (a ValueError naming both sizes, before
              anything is sent).
+  subgroups-capacity, subgroups-uneven   (4 ranks only) two expert-parallel groups of 2 with non-contiguous
+             ranks, {0, 2} and {1, 3} (`SUBGROUPS`), each with its own experts and tokens (its own seeds; routed as
+             capacity, then as uneven-capacity), dispatch/combine called with group=its group. Outputs, gradients,
+             what dispatch delivered, the accounting, and the process group (as global ranks) each collective ran on.
   uneven, uneven-capacity   skewed routing (some experts chosen by many tokens, some by none): the splits
              differ per rank pair. Outputs and gradients.
-  subgroups-capacity, subgroups-uneven   (4 ranks only, last: a submission that talks outside its group can
-             abort gloo or deadlock) two expert-parallel groups of 2 with non-contiguous ranks, {0, 2} and {1, 3}
-             (`SUBGROUPS`), each with its own experts and tokens (its own seeds), dispatch/combine called with
-             group=its group. Outputs, gradients, what dispatch delivered, the accounting, and the process group
-             (as global ranks) each collective ran on.
 
 The submission runs under the guard that records every collective it starts, through any layer (comm_recorder),
 with what it prints capped and a watchdog per case.
@@ -268,10 +267,9 @@ def plan(world: int) -> list[tuple[str, str]]:
     cases = [(case, ROUTED[case][0]) for case in ("balanced", "capacity")]
     if world > 1:
         cases.append(("divisible", "divisible"))
-    cases += [(case, ROUTED[case][0]) for case in ("uneven", "uneven-capacity")]
     if world == SUBGROUP_WORLD:
         cases += [(case, ROUTED[case][0]) for case in ("subgroups-capacity", "subgroups-uneven")]
-    return cases
+    return cases + [(case, ROUTED[case][0]) for case in ("uneven", "uneven-capacity")]
 
 
 @functools.lru_cache(maxsize=16)

@@ -186,8 +186,10 @@ def inside_group_problem(rec) -> str | None:
     for phase in ("forward", "backward"):
         if phase not in rec:
             return f"no {phase} ran: {gradient_problem(rec)}"
-        for op, groups, peers in rec[phase].get("placed", []):
-            outside = [g for g in groups if g != group]
+        if "placed" not in rec[phase]:
+            return f"{phase}: the job recorded no process group for the calls it saw"
+        for op, groups, peers in rec[phase]["placed"]:
+            outside = [g for g in groups or [None] if g != group]
             if outside:
                 where = "a process group the grader cannot place" if None in outside else f"ranks {outside[0]}"
                 return (f"{phase}: {op} ran on {where}, not on this rank's group {group}: {SUBGROUP_HINT}")
@@ -291,4 +293,4 @@ def test_subgroups_equal_sdpa(jobs):
 def test_subgroups_communicate_inside_their_group(jobs):
     """4 ranks as groups {0, 2} and {1, 3}: every call, forward and backward, runs on the rank's own group, with
     peers among its ranks (the recorder's process group and global peer of each call)."""
-    check(jobs, "subgroups", inside_group_problem, [4])
+    check(jobs, "subgroups", inside_group_problem, [4], only_cases_that_ran=True)  # crashes: the test above

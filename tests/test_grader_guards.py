@@ -2,11 +2,13 @@
 (tests/graders/comm_recorder.py), the records' own writer and the bans (tests/graders/jobkit.py).
 
 The recorder patches torch.distributed for the whole process, so those checks run in a child process with a
-one-rank gloo group. The mutants (tests/test_mutants.py) prove the same defences end to end.
+one-rank gloo group (and, for which process group each call ran on, two child processes: a two-rank group).
+The mutants (tests/test_mutants.py) prove the same defences end to end.
 """
 import importlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +99,66 @@ def test_a_ban_that_cannot_bind_stops_the_job(child):
     assert "cannot bind" in out["ban_error"] and "NoSuchWrapper" in out["ban_error"]
     assert out["refused"] == ["DistributedDataParallel is not allowed here: write it yourself",
                               ["DistributedDataParallel"]]
+
+
+PAIR = r'''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+import comm_recorder
+import torch.distributed._functional_collectives as funcol
+rec = comm_recorder.install()
+rank, other = dist.get_rank(), 1 - dist.get_rank()
+alone = [dist.new_group([0]), dist.new_group([1])][rank]  # every rank takes part in creating every group
+t, got = torch.ones(4), torch.empty(4)
+with rec.recording():
+    dist.all_reduce(t, group=alone)
+    dist.all_reduce(t)
+    funcol.all_reduce(t, "sum", alone).wait()  # the dispatcher, not a ProcessGroup method: placed by its argument
+    alone._get_backend(torch.device("cpu")).allreduce([t]).wait()  # the backend, called directly
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, other), dist.P2POp(dist.irecv, got, other)]):
+        work.wait()
+    dist.send(t, 1) if rank == 0 else dist.recv(got, 0)
+print("RESULT " + json.dumps([[e["via"], e["groups"], e["peers"]] for e in rec.events if e["kind"] != "wait"]))
+dist.destroy_process_group()
+'''
+
+
+@pytest.fixture(scope="module")
+def pair() -> dict[int, list]:
+    """{rank: [[via, groups, peers] of each call]} from a two-rank gloo group (two child processes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo")
+    procs = {r: subprocess.Popen([sys.executable, "-c", PAIR, str(GRADERS)], env={**base, "RANK": str(r)},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)}
+    found = {}
+    try:
+        for r, proc in procs.items():
+            out, err = proc.communicate(timeout=180)
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            assert proc.returncode == 0 and lines, f"rank {r}: {out[-2000:]}{err[-3000:]}"
+            found[r] = json.loads(lines[0].removeprefix("RESULT "))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return found
+
+
+def test_every_call_is_placed_in_its_process_group(pair):
+    """The process group each call ran on, as global ranks, through every layer; a send's and receive's global peer."""
+    for rank, other in ((0, 1), (1, 0)):
+        assert pair[rank] == [["dist.all_reduce", [[rank]], []],
+                              ["dist.all_reduce", [[0, 1]], []],
+                              ["functional_collectives.all_reduce", [[rank]], []],
+                              ["Backend.allreduce", [[rank]], []],
+                              ["dist.batch_isend_irecv", [[0, 1]], [other, other]],
+                              ["dist.send" if rank == 0 else "dist.recv", [[0, 1]], [other]]], pair[rank]
 
 
 @pytest.mark.parametrize("job, name", [("ex02_job", "BANNED"), ("ex07_fsdp_job", "FORBID"),

@@ -16,7 +16,12 @@ logs one record per case (jobkit.record_writer, in runtime.log's format):
 
 Cases (`plan`): layout (shard_sequence of the positions 0..seq-1, saved raw: the grader checks every position is
 on exactly one rank and counts each rank's causal (query, key) pairs), attention cases (causal or not, float32
-or float64, normal or large scores), and bad-input cases (each rank on its own: what it raised, and its message).
+or float64, normal or large scores), bad-input cases (each rank on its own: what it raised, and its message),
+and, on 4 ranks only and last (a submission that talks outside its group can deadlock, and a watchdog then ends
+the rank), the subgroup cases: two context-parallel groups of 2 with non-contiguous ranks, {0, 2} and {1, 3}
+(`SUBGROUPS`), each on its own sequence (its own seed); every rank shards with its GROUP rank and group size and
+calls ring_attention(..., group=its group). The grader compares each rank with SDPA on its group's sequence, and
+reads from the recorder which process groups (as global ranks) and which peers every call used.
 
 The submission runs under a guard that records every collective and point-to-point call and the bytes sent
 (comm_recorder, any layer), and notes every tensor of a quarter shard or more that the forward creates
@@ -27,6 +32,7 @@ import functools
 import re
 
 import torch
+import torch.distributed as dist
 from torch.nn import functional as F
 
 import jobkit  # beside this script: what every grading job shares
@@ -47,10 +53,12 @@ class Guard(jobkit.Guard):
     """What the submission communicates while watched: collectives and point-to-point calls by name, bytes sent."""
 
     def summary(self) -> dict:
-        events = self.comm.events
+        events = [e for e in self.comm.events if e["kind"] != "wait"]
         return {"collectives": sorted({e["op"] for e in events if e["kind"] == "collective"}),
                 "p2p": sorted({e["op"] for e in events if e["kind"] == "p2p"}),
-                "sent": self.comm.sent_bytes}
+                "sent": self.comm.sent_bytes,
+                # where each call went: [op, the groups it ran on (global ranks; None: unplaced), its peers]
+                "placed": [[e["op"], e["groups"], e["peers"]] for e in events]}
 
 
 # --- the plan: every case's parameters, the same in the ranks and in the grader process ---------------------------
@@ -67,6 +75,27 @@ def attention_cases() -> dict[str, dict]:
 
 
 BAD_INPUTS = ("shapes", "odd", "shard")
+
+# On 4 ranks: two context-parallel groups of 2 with non-contiguous ranks, each on its own sequence.
+SUBGROUPS = ((0, 2), (1, 3))
+SUBGROUP_WORLD = 4  # the job's world size that runs them
+SUBGROUP_SEED = 100  # group g's seed: the case's seed + SUBGROUP_SEED · (g + 1): every group its own problem
+
+
+def subgroup_cases() -> dict[str, dict]:
+    """{case: its parameters} of the subgroup cases (4 ranks only), in the order they run."""
+    return {"subgroups-causal": dict(group="subgroups", causal=True, dtype=torch.float32, seed=4),
+            "subgroups-float64": dict(group="subgroups", causal=False, dtype=torch.float64, seed=5)}
+
+
+def subgroup_of(rank: int) -> tuple[int, int]:
+    """(which of SUBGROUPS a global rank is in, its rank in that group)."""
+    index = next(i for i, ranks in enumerate(SUBGROUPS) if rank in ranks)
+    return index, SUBGROUPS[index].index(rank)
+
+
+def case_params(case: str) -> dict:
+    return {**attention_cases(), **subgroup_cases()}[case]
 
 
 # --- inputs and the reference (the grader process computes the reference, never a rank) ----------------------------
@@ -92,17 +121,24 @@ def reference(q, k, v, grad, causal: bool):
     return out.detach(), *(t.grad for t in leaves)
 
 
+def case_seed(case: str, subgroup: int | None = None) -> int:
+    """The seed of `case`'s inputs; in the subgroup cases, each group's own."""
+    seed = case_params(case)["seed"]
+    return seed if subgroup is None else seed + SUBGROUP_SEED * (subgroup + 1)
+
+
 @functools.lru_cache(maxsize=32)
-def expected(world: int, case: str) -> tuple[torch.Tensor, ...]:
-    """(output, q.grad, k.grad, v.grad) of SDPA on the whole sequence of `case` on `world` ranks, in float64:
-    computed in the grader process from the case's seed (tests must not modify them: cached)."""
-    c = attention_cases()[case]
-    q, k, v, grad = full_inputs(world, c["seed"], c["dtype"], c.get("scale", 1.0))
+def expected(world: int, case: str, subgroup: int | None = None) -> tuple[torch.Tensor, ...]:
+    """(output, q.grad, k.grad, v.grad) of SDPA on the whole sequence of `case` on `world` ranks (for a subgroup
+    case: on that group's ranks, from its own seed), in float64: computed in the grader process from the case's
+    seed (tests must not modify them: cached)."""
+    c = case_params(case)
+    q, k, v, grad = full_inputs(world, case_seed(case, subgroup), c["dtype"], c.get("scale", 1.0))
     return reference(q, k, v, grad, c["causal"])
 
 
 def tolerance(case: str) -> float:
-    c = attention_cases()[case]
+    c = case_params(case)
     return LARGE_TOLERANCE if "scale" in c else TOLERANCE[c["dtype"]]
 
 
@@ -153,9 +189,11 @@ def case_layout(sub, guard, world: int, rank: int) -> dict:
     return {"returned": type(shard).__name__, "raw": {"shard": shard if isinstance(shard, torch.Tensor) else None}}
 
 
-def case_attention(sub, guard, world: int, rank: int, case: str) -> dict:
-    c = attention_cases()[case]
-    q, k, v, grad = full_inputs(world, c["seed"], c["dtype"], c.get("scale", 1.0))
+def case_attention(sub, guard, world: int, rank: int, case: str, group=None, subgroup: int | None = None) -> dict:
+    """One attention case on this rank's shard: world and rank are the context-parallel group's (the whole job's,
+    or in a subgroup case, `group`'s, which is passed on to ring_attention)."""
+    c = case_params(case)
+    q, k, v, grad = full_inputs(world, case_seed(case, subgroup), c["dtype"], c.get("scale", 1.0))
     with guard.watching():  # the layout is the submission's own; the layout case checks it
         mine = [sub.shard_sequence(t, rank, world) for t in (q, k, v, grad)]
         positions = sub.shard_sequence(positions_like(q), rank, world)  # where its rows sit: the grader's reference
@@ -163,7 +201,7 @@ def case_attention(sub, guard, world: int, rank: int, case: str) -> dict:
     shard_bytes = leaves[0].numel() * leaves[0].element_size()
     allocs = jobkit.Allocations(min_numel=leaves[0].numel() // 4)  # a quarter shard: a chunk of K or V counts
     with guard.watching(), allocs:
-        out = sub.ring_attention(*leaves, causal=c["causal"])
+        out = sub.ring_attention(*leaves, causal=c["causal"], **({} if group is None else {"group": group}))
     is_tensor = isinstance(out, torch.Tensor)
     saved = None  # what the forward left alive for backward, besides q, k, v and the output
     if c.get("memory") and is_tensor:
@@ -203,12 +241,14 @@ def case_bad_input(sub, guard, world: int, rank: int, which: str) -> dict:
     return {"world": world, "raised": None, "value_error": False, "message": ""}
 
 
-def plan() -> list[tuple[str, str, object, dict]]:
-    """(case, group, function, its parameters) in the order they run; a function takes (submission, guard,
-    world=, rank=, **parameters)."""
+def plan(world: int) -> list[tuple[str, str, object, dict]]:
+    """(case, group, function, its parameters) in the order they run on `world` ranks; a function takes
+    (submission, guard, world=, rank=, **parameters), the subgroup cases (4 ranks, last) also group= and subgroup=."""
     cases = [("layout", "layout", case_layout, {})]
     cases += [(case, c["group"], case_attention, {"case": case}) for case, c in attention_cases().items()]
     cases += [(f"bad-{which}", "bad-input", case_bad_input, {"which": which}) for which in BAD_INPUTS]
+    if world == SUBGROUP_WORLD:
+        cases += [(case, c["group"], case_attention, {"case": case}) for case, c in subgroup_cases().items()]
     return cases
 
 
@@ -227,7 +267,9 @@ class Ex10Job(jobkit.GradingJob):
 
     def prepare(self) -> None:
         """What loads lazily on first use (autograd's backward, the dispatch mode, gc over the process), before any
-        case's clock."""
+        case's clock; on 4 ranks, the two subgroups (every rank takes part in creating every group, torch's rule)."""
+        world = self.ctx.world_size
+        self.subgroups = [dist.new_group(list(ranks)) for ranks in SUBGROUPS] if world == SUBGROUP_WORLD else None
         warm = jobkit.Allocations()
         with warm:
             x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
@@ -236,7 +278,16 @@ class Ex10Job(jobkit.GradingJob):
 
     def plan(self) -> list[tuple]:
         at = {"world": self.ctx.world_size, "rank": self.ctx.rank}
-        return [(case, group, functools.partial(fn, **at, **params)) for case, group, fn, params in plan()]
+        cases = []
+        for case, group, fn, params in plan(self.ctx.world_size):
+            if group == "subgroups":  # this rank's group: its size, its rank in it, the group itself
+                index, group_rank = subgroup_of(self.ctx.rank)
+                own = {"world": len(SUBGROUPS[index]), "rank": group_rank, "group": self.subgroups[index],
+                       "subgroup": index}
+                cases.append((case, group, functools.partial(fn, **own, **params)))
+            else:
+                cases.append((case, group, functools.partial(fn, **at, **params)))
+        return cases
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ contribution) and compares (`compare`). Each rank logs one record per case:
     {"case": "balanced", "group": "balanced", "error": None, "raw": ["arrived_ids", "arrived_tokens", ...],
      "calls": [{"phase": "forward", "op": "all_to_all_single", "tensor_bytes": [...]}], "n": 2, ...}
 
-Cases (`plan`), in this order (the uneven ones last: a submission that never exchanges the counts aborts gloo
-there, and a rank that aborts ends the job):
+Cases (`plan`), in this order (the ones with uneven splits last: a submission that never exchanges the counts
+aborts gloo there, and a rank that aborts ends the job):
   balanced   every expert gets the same number of rows from every rank (sends and receives are even); token
              order shuffled. Outputs, gradients (tokens, routing weights, local experts' weights), what
              dispatch delivered (rows and local expert ids, in the stated order), and the collectives.
@@ -23,6 +23,10 @@ there, and a rank that aborts ends the job):
              dropped, and what is kept is still even. Outputs, gradients, kept / dropped / tokens_per_expert.
   divisible  (2-4 ranks) num_experts = 2N+1: what dispatch raised (a ValueError naming both sizes, before
              anything is sent).
+  subgroups-capacity, subgroups-uneven   (4 ranks only) two expert-parallel groups of 2 with non-contiguous
+             ranks, {0, 2} and {1, 3} (`SUBGROUPS`), each with its own experts and tokens (its own seeds; routed as
+             capacity, then as uneven-capacity), dispatch/combine called with group=its group. Outputs, gradients,
+             what dispatch delivered, the accounting, and the process group (as global ranks) each collective ran on.
   uneven, uneven-capacity   skewed routing (some experts chosen by many tokens, some by none): the splits
              differ per rank pair. Outputs and gradients.
 
@@ -33,6 +37,7 @@ import functools
 import re
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import jobkit  # beside this script: what every grading job shares
@@ -51,9 +56,9 @@ class Guard(jobkit.Guard):
         comm.on_event = self._noted
 
     def _noted(self, event: dict) -> None:
-        if event["kind"] != "wait":
+        if event["kind"] != "wait":  # "groups": the recorder's own list, filled in while the call runs
             self.calls.append({"phase": self.phase, "op": event["op"], "kind": event["kind"],
-                               "tensor_bytes": event["tensor_bytes"]})
+                               "tensor_bytes": event["tensor_bytes"], "groups": event["groups"]})
 
     def watching(self, phase: str = "forward"):
         self.phase = phase
@@ -166,12 +171,13 @@ def plain(value):
     return repr(value)[:80]
 
 
-def run_case(sub, guard, ctx, kind: str, seed: int):
-    """The submission on this rank's tokens with its local experts: what it produced, saved raw."""
+def run_case(sub, guard, ctx, kind: str, seed: int, experts_seed: int = 7):
+    """The submission on this rank's tokens with its local experts: what it produced, saved raw. ctx: the
+    expert-parallel group (None: every rank), its size n and this rank's rank in it."""
     n, rank, group = ctx["n"], ctx["rank"], ctx["group"]
     per = NUM_EXPERTS // n
     mine = routing(kind, rank, seed)
-    local = make_experts()  # every rank builds all; it uses (and is graded on) its own E/N only
+    local = make_experts(experts_seed)  # every rank builds all; it uses (and is graded on) its own E/N only
     local.zero_grad(set_to_none=True)
     x, w = mine["x"].clone().requires_grad_(), mine["w"].clone().requires_grad_()
     guard.calls = []
@@ -234,7 +240,26 @@ def divisible_problems(rec) -> list[str]:
 
 # --- the plan, the same in the ranks and in the grader process --------------------------------------------------
 ROUTED = {"balanced": ("balanced", 1), "capacity": ("capacity", 2), "uneven": ("uneven", 3),
-          "uneven-capacity": ("uneven", 4)}  # case: (group, seed); the case's name is its routing's kind
+          "uneven-capacity": ("uneven", 4), "subgroups-capacity": ("subgroups", 5),
+          "subgroups-uneven": ("subgroups", 6)}  # case: (group, seed)
+KIND = {"subgroups-capacity": "capacity", "subgroups-uneven": "uneven-capacity"}  # else the case's name is its kind
+# On 4 ranks: two expert-parallel groups of 2 with non-contiguous ranks, each with its own experts and tokens.
+SUBGROUPS = ((0, 2), (1, 3))
+SUBGROUP_WORLD = 4  # the job's world size that runs them
+SUBGROUP_SEED = 100  # group g's seeds: routing seed + SUBGROUP_SEED · (g + 1), experts' seed 7 + g + 1
+
+
+def subgroup_of(rank: int) -> tuple[int, int]:
+    """(which of SUBGROUPS a global rank is in, its rank in that group)."""
+    index = next(i for i, ranks in enumerate(SUBGROUPS) if rank in ranks)
+    return index, SUBGROUPS[index].index(rank)
+
+
+def seeds(case: str, subgroup: int | None = None) -> tuple[int, int]:
+    """(routing seed, experts' seed) of `case`; in the subgroup cases, each group's own."""
+    if subgroup is None:
+        return ROUTED[case][1], 7
+    return ROUTED[case][1] + SUBGROUP_SEED * (subgroup + 1), 7 + subgroup + 1
 
 
 def plan(world: int) -> list[tuple[str, str]]:
@@ -242,17 +267,20 @@ def plan(world: int) -> list[tuple[str, str]]:
     cases = [(case, ROUTED[case][0]) for case in ("balanced", "capacity")]
     if world > 1:
         cases.append(("divisible", "divisible"))
+    if world == SUBGROUP_WORLD:
+        cases += [(case, ROUTED[case][0]) for case in ("subgroups-capacity", "subgroups-uneven")]
     return cases + [(case, ROUTED[case][0]) for case in ("uneven", "uneven-capacity")]
 
 
 @functools.lru_cache(maxsize=16)
-def expected(case: str, n: int) -> list[dict]:
-    """What each of the n ranks must produce in `case`: the single-process layer on every rank's tokens, in the
-    grader process (tests must not modify it: cached). Per rank: y, x_grad, w_grad, kept, tokens_per_expert,
-    the arrived rows and local ids, and {parameter's raw name: gradient} of its own experts."""
-    seed = ROUTED[case][1]
-    experts = make_experts()
-    batches = [routing(case, s, seed) for s in range(n)]
+def expected(case: str, n: int, subgroup: int | None = None) -> list[dict]:
+    """What each of the n ranks (of the whole job, or of one subgroup) must produce in `case`: the single-process
+    layer on every rank's tokens, in the grader process (tests must not modify it: cached). Per rank: y, x_grad,
+    w_grad, kept, tokens_per_expert, the arrived rows and local ids, and {parameter's raw name: gradient} of its
+    own experts."""
+    seed, experts_seed = seeds(case, subgroup)
+    experts = make_experts(experts_seed)
+    batches = [routing(KIND.get(case, case), s, seed) for s in range(n)]
     ref = reference(experts, batches)
     per = NUM_EXPERTS // n
     out = []
@@ -282,14 +310,29 @@ class Ex11Job(jobkit.GradingJob):
         guard.submission = self.submission  # tracebacks are reported at the submission's own lines
         return guard
 
+    def prepare(self) -> None:
+        # Every rank takes part in creating every group (torch.distributed's rule), before the guard is on.
+        world = self.ctx.world_size
+        self.subgroups = [dist.new_group(list(ranks)) for ranks in SUBGROUPS] if world == SUBGROUP_WORLD else None
+
     def watching(self):
         return self.guard.watching("import")
 
     def plan(self) -> list[tuple]:
-        ctx = {"group": None, "n": self.ctx.world_size, "rank": self.ctx.rank}
-        return [(case, group, functools.partial(case_divisible, ctx=ctx) if case == "divisible" else
-                 functools.partial(run_case, ctx=ctx, kind=case, seed=ROUTED[case][1]))
-                for case, group in plan(self.ctx.world_size)]
+        everyone = {"group": None, "n": self.ctx.world_size, "rank": self.ctx.rank}
+        cases = []
+        for case, group in plan(self.ctx.world_size):
+            if case == "divisible":
+                cases.append((case, group, functools.partial(case_divisible, ctx=everyone)))
+                continue
+            subgroup, ctx = None, everyone
+            if group == "subgroups":  # this rank's group: the group itself, its size, this rank's rank in it
+                subgroup, group_rank = subgroup_of(self.ctx.rank)
+                ctx = {"group": self.subgroups[subgroup], "n": len(SUBGROUPS[subgroup]), "rank": group_rank}
+            seed, experts_seed = seeds(case, subgroup)
+            cases.append((case, group, functools.partial(run_case, ctx=ctx, kind=KIND.get(case, case), seed=seed,
+                                                         experts_seed=experts_seed)))
+        return cases
 
 
 if __name__ == "__main__":

@@ -17,7 +17,11 @@ What is checked:
 - what the forward leaves alive for backward, besides q, k, v and the output, is under one shard's bytes: the
   backward passes K/V around again instead of keeping every received block (O(seq_local) per rank);
 - bad input (q, k, v of different shapes, an odd seq_local, a sequence 2 · world does not divide) raises
-  ValueError naming the sizes.
+  ValueError naming the sizes;
+- group= (4 ranks as two context-parallel groups of 2, non-contiguous: {0, 2} and {1, 3}, each on its own
+  sequence): every rank's output and gradients equal SDPA's on its GROUP's sequence, and every call it made ran
+  on its own group, with peers in that group (the recorder places each call: the process group it ran on, as
+  global ranks, and each send's and receive's global peer).
 """
 from pathlib import Path
 
@@ -92,9 +96,14 @@ def layout_problem(jobs, rec, balanced: bool = False) -> str | None:
 # --- attention: the rank's raw output and gradients against SDPA's rows at its shard's positions -----------------
 def attention(rec) -> dict:
     """{"output": why the output is wrong or None, "gradients": why the output or a gradient is wrong or None}."""
-    case, world, got = rec["case"], rec["world"], raw(rec)
-    params = CASES.attention_cases()[case]
-    want = CASES.expected(world, case)
+    case, got = rec["case"], raw(rec)
+    params = CASES.case_params(case)
+    if params["group"] == "subgroups":  # the rank's group, from the job's plan and the rank's (grader's) number
+        subgroup = CASES.subgroup_of(rec["rank"])[0]
+        world = len(CASES.SUBGROUPS[subgroup])
+    else:
+        subgroup, world = None, rec["world"]
+    want = CASES.expected(world, case, subgroup)
     shape = (CASES.BATCH, CASES.HEADS, want[0].shape[2] // world, CASES.HEAD_DIM)
     positions = got["positions"]
     if (not isinstance(positions, torch.Tensor) or positions.shape != shape
@@ -158,6 +167,36 @@ def saved_problem(rec) -> str | None:
         return (f"the forward left {saved} bytes alive for backward besides q, k, v and the output "
                 f"({saved / shard:.1f} shards of {shard} bytes; allowed: one, e.g. the log-sum-exp): keep only "
                 f"this rank's tensors and pass K/V around the ring again in backward")
+    return None
+
+
+SUBGROUP_HINT = ("with group=..., take the group's size and rank (dist.get_world_size(group), dist.get_rank(group)), "
+                 "send to GLOBAL ranks (dist.get_process_group_ranks(group)) and pass group= to every call")
+
+
+def subgroup_problem(rec) -> str | None:
+    why = gradient_problem(rec)
+    group = CASES.SUBGROUPS[CASES.subgroup_of(rec["rank"])[0]]
+    return why and f"in the group of ranks {list(group)}: {why} ({SUBGROUP_HINT})"
+
+
+def inside_group_problem(rec) -> str | None:
+    """Every call of forward and backward ran on the rank's own group, and its peers are the group's other ranks."""
+    group = list(CASES.SUBGROUPS[CASES.subgroup_of(rec["rank"])[0]])
+    for phase in ("forward", "backward"):
+        if phase not in rec:
+            return f"no {phase} ran: {gradient_problem(rec)}"
+        if "placed" not in rec[phase]:
+            return f"{phase}: the job recorded no process group for the calls it saw"
+        for op, groups, peers in rec[phase]["placed"]:
+            outside = [g for g in groups or [None] if g != group]
+            if outside:
+                where = "a process group the grader cannot place" if None in outside else f"ranks {outside[0]}"
+                return (f"{phase}: {op} ran on {where}, not on this rank's group {group}: {SUBGROUP_HINT}")
+            strays = [p for p in peers if p not in group or p == rec["rank"]]
+            if strays:
+                peer = "a peer the grader cannot place" if strays[0] is None else f"peer {strays[0]} (global rank)"
+                return f"{phase}: {op} named {peer}, not another rank of this rank's group {group}: {SUBGROUP_HINT}"
     return None
 
 
@@ -241,3 +280,17 @@ def test_backward_keeps_only_local_state(jobs):
 def test_bad_input_raises_value_error(jobs):
     """q/k/v shapes that differ, an odd seq_local, and shard_sequence of an indivisible sequence: ValueError."""
     check(jobs, "bad-input", bad_input_problem)
+
+
+@pytest.mark.points(2)
+def test_subgroups_equal_sdpa(jobs):
+    """4 ranks as groups {0, 2} and {1, 3}, each on its own sequence (causal float32, full float64): every rank's
+    output and gradients equal SDPA's on its group's sequence."""
+    check(jobs, "subgroups", subgroup_problem, [4])
+
+
+@pytest.mark.points(1)
+def test_subgroups_communicate_inside_their_group(jobs):
+    """4 ranks as groups {0, 2} and {1, 3}: every call, forward and backward, runs on the rank's own group, with
+    peers among its ranks (the recorder's process group and global peer of each call)."""
+    check(jobs, "subgroups", inside_group_problem, [4], only_cases_that_ran=True)  # crashes: the test above

@@ -12,7 +12,11 @@ every rank's tokens, here in the grader process from the job's own seeds, and co
 - communication (2-4 ranks): all_to_all_single only (no all_gather, all_reduce, broadcast or point-to-point),
   one each way in forward and in backward (plus the counts), each moving exactly the kept rows: its bytes
   match gpucourse.costs.expert_parallel_all_to_all_bytes;
-- num_experts the group does not divide raises ValueError naming both sizes.
+- num_experts the group does not divide raises ValueError naming both sizes;
+- group= (4 ranks as two expert-parallel groups of 2, non-contiguous: {0, 2} and {1, 3}, each with its own experts
+  and tokens): every rank equals the single-process layer of its GROUP (outputs, gradients, what dispatch
+  delivered, kept / dropped / tokens_per_expert), and every collective it started ran on its own group (the
+  recorder places each call: the process group it ran on, as global ranks).
 """
 from pathlib import Path
 
@@ -45,10 +49,19 @@ def shown(value) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
+def wanted(rec) -> dict:
+    """What this rank must produce: the single-process layer of its expert-parallel group (the whole job's, or
+    in a subgroup case its own group's, from the job's plan and the rank's number as the grader knows it)."""
+    if CASES.ROUTED[rec["case"]][0] == "subgroups":
+        subgroup, group_rank = CASES.subgroup_of(rec["rank"])
+        return CASES.expected(rec["case"], len(CASES.SUBGROUPS[subgroup]), subgroup)[group_rank]
+    return CASES.expected(rec["case"], rec["n"])[rec["rank"]]
+
+
 def findings(rec) -> dict[str, list[str]]:
     """{"mismatches", "dispatch", "accounting"}: why this rank's output and gradients, what dispatch delivered,
     and the state's accounting differ from the single-process layer's (empty lists when they do not)."""
-    got, want = raw(rec), CASES.expected(rec["case"], rec["n"])[rec["rank"]]
+    got, want = raw(rec), wanted(rec)
     pairs = [("the output", got["y"], want["y"],
               "expected sum_j w[t, j] * expert_{ids[t, j]}(x[t]) over the kept assignments: combine must put each "
               "row back at its (token, choice)"),
@@ -100,6 +113,28 @@ def dispatch_problem(rec) -> str | None:
 def accounting_problem(rec) -> str | None:
     found = findings(rec)
     return (found["accounting"] or found["mismatches"] or [None])[0]
+
+
+SUBGROUP_HINT = ("with group=..., take the group's size and rank (dist.get_world_size(group), dist.get_rank(group)) "
+                 "and pass group= to every all_to_all_single, in forward and in backward")
+
+
+def subgroup_problem(rec) -> str | None:
+    found = findings(rec)
+    why = (found["mismatches"] or found["dispatch"] or found["accounting"] or [None])[0]
+    group = list(CASES.SUBGROUPS[CASES.subgroup_of(rec["rank"])[0]])
+    return why and f"in the group of ranks {group}: {why} ({SUBGROUP_HINT})"
+
+
+def inside_group_problem(rec) -> str | None:
+    """Every collective of forward and backward ran on the rank's own group (the recorder's global ranks)."""
+    group = list(CASES.SUBGROUPS[CASES.subgroup_of(rec["rank"])[0]])
+    for call in rec["calls"]:
+        outside = [g for g in call.get("groups") or [None] if g != group]
+        if outside:
+            where = "a process group the grader cannot place" if None in outside else f"ranks {outside[0]}"
+            return f"{call['phase']}: {call['op']} ran on {where}, not on this rank's group {group}: {SUBGROUP_HINT}"
+    return None
 
 
 def divisible_problem(rec) -> str | None:
@@ -194,3 +229,16 @@ def test_bytes_moved_match_the_formula(jobs):
 def test_num_experts_not_divisible_raises_value_error(jobs):
     """num_experts = 2N+1 on N ranks: ValueError naming both sizes, before anything is sent."""
     check(jobs, "divisible", divisible_problem, [2, 3, 4])
+
+
+@pytest.mark.points(2)
+def test_subgroups_equal_single_process(jobs):
+    """4 ranks as groups {0, 2} and {1, 3}, each with its own experts and tokens (capacity; skewed routing with
+    capacity): each rank equals its group's single-process layer, what dispatch delivered and the accounting too."""
+    check(jobs, "subgroups", subgroup_problem, [4])
+
+
+@pytest.mark.points(1)
+def test_subgroups_communicate_inside_their_group(jobs):
+    """4 ranks as groups {0, 2} and {1, 3}: every collective, forward and backward, runs on the rank's own group."""
+    check(jobs, "subgroups", inside_group_problem, [4], only_cases_that_ran=True)  # crashes: the test above

@@ -1,7 +1,7 @@
 """The backward computes delta = rowsum(dO * O) in float32 whatever the input's dtype.
 
 Right in float32; in float64 every gradient carries float32's rounding (~1e-7 instead of ~1e-15): the
-float64 test.
+float64 test, and the subgroups' (their second case is float64).
 
 A copy of solutions/ex10_ring_attention.py with this one mistake (the lines marked `# MUTANT:`).
 tests/test_mutants.py grades it and checks that exactly the grader tests in MUST_FAIL lose their points, and
@@ -9,6 +9,7 @@ that every other test keeps them.
 """
 MUST_FAIL = (
     'test_float64',
+    'test_subgroups_equal_sdpa',
 )
 import torch
 import torch.distributed as dist

@@ -19,6 +19,7 @@ MUST_FAIL = (
     'test_uneven_splits_equal_single_process[2]',
     'test_uneven_splits_equal_single_process[3]',
     'test_uneven_splits_equal_single_process[4]',
+    'test_subgroups_equal_single_process',
 )
 from dataclasses import dataclass
 

@@ -1,6 +1,7 @@
 """Assignments over capacity are dropped, but silently: state.kept says all were kept and state.dropped is 0.
 
-The rows sent and the outputs are right; only the accounting (what a training loop would log) is wrong.
+The rows sent and the outputs are right; only the accounting (what a training loop would log) is wrong:
+the dropped-tokens test, and the subgroups' (which check the accounting too).
 
 A copy of solutions/ex11_expert_parallel.py with this one mistake (the lines marked `# MUTANT:`).
 tests/test_mutants.py grades it and checks that exactly the grader tests in MUST_FAIL lose their points, and
@@ -11,6 +12,7 @@ MUST_FAIL = (
     'test_dropped_tokens_accounted[2]',
     'test_dropped_tokens_accounted[3]',
     'test_dropped_tokens_accounted[4]',
+    'test_subgroups_equal_single_process',
 )
 from dataclasses import dataclass
 

@@ -29,6 +29,7 @@ MUST_FAIL = (
     'test_uneven_splits_equal_single_process[2]',
     'test_uneven_splits_equal_single_process[3]',
     'test_uneven_splits_equal_single_process[4]',
+    'test_subgroups_equal_single_process',
 )
 import sys  # MUTANT: at import, make the grading job's comparison find nothing wrong
 

@@ -1,7 +1,8 @@
 """dispatch never exchanges the split sizes: it assumes every rank sends it as many rows as it sends that rank.
 
 Right whenever the routing is symmetric (the balanced cases); with skewed routing the ranks disagree on the
-split sizes and gloo aborts the all-to-all ("Received data size doesn't match").
+split sizes and gloo aborts the all-to-all ("Received data size doesn't match"): the uneven tests on 2-4 ranks,
+and the subgroups' (their second case is skewed too).
 
 A copy of solutions/ex11_expert_parallel.py with this one mistake (the lines marked `# MUTANT:`).
 tests/test_mutants.py grades it and checks that exactly the grader tests in MUST_FAIL lose their points, and
@@ -11,6 +12,7 @@ MUST_FAIL = (
     'test_uneven_splits_equal_single_process[2]',
     'test_uneven_splits_equal_single_process[3]',
     'test_uneven_splits_equal_single_process[4]',
+    'test_subgroups_equal_single_process',
 )
 from dataclasses import dataclass
 

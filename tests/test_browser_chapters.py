@@ -13,6 +13,7 @@ A whole pass takes far longer than CI's browser budget (timings: the report of #
 """
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -76,6 +77,7 @@ LIVE_VIEW = """el => Array.from(el.querySelectorAll('.gpucourse-live')).map(view
     const shown = panes.find(p => !p.classList.contains('lm-mod-hidden'));
     return {status: status ? status.innerText : '', tabs: panes.length,
             shown: shown ? shown.innerText : null, all: panes.map(p => p.textContent).join('\\n')}; })"""
+RUN_NAME = re.compile(r"— (\S+?)-\d{8}-\d{6}")  # a live view's status: "finished — 00-hello-2-20261125-064651 — ..."
 # JS: per code cell, the outputs the kernel sent (model, not DOM): errors, stderr tracebacks, image counts.
 MODEL_OUTPUTS = f"""path => {{ {PANEL}
     return panel.content.widgets.map((c, i) => {{
@@ -130,7 +132,11 @@ def _check_cell(page, cell, index: int, chapter: str, shots: list[Path], problem
                 except AssertionError as cut:
                     problems.setdefault("widget cut", []).append((where, str(cut)[:600]))
         if out["kind"] != "text":
-            shot = shots_dir() / f"{chapter}-{len(shots) + 1:02d}-{out['kind']}-cell{index}.png"
+            what = out["kind"]
+            if views := el.evaluate(LIVE_VIEW):  # the run's name, less its timestamp: "launch-00-hello-2"
+                run = RUN_NAME.search(views[0]["status"])
+                what += "-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", run.group(1)) if run else ""
+            shot = shots_dir() / f"{chapter}-{len(shots) + 1:02d}-{what}-cell{index}.png"
             el.screenshot(path=str(shot))
             shots.append(shot)
 
@@ -162,7 +168,8 @@ def test_chapter_runs_clean_in_the_browser(lab, browser, path):
             _check_cell(page, code_cells.nth(i), c["index"], chapter, shots, problems)
     # Every image output the kernel sent is drawn as an <img> (widgets' own images come on top).
     sent = sum(c["images"] for c in cells)
-    drawn = page.locator(".jp-OutputArea-output .jp-RenderedImage img").count()
+    drawn = page.evaluate("() => Array.from(document.querySelectorAll('.jp-Notebook .jp-RenderedImage img'))"
+                          ".filter(img => !img.closest('.widget-output')).length")
     if drawn != sent:
         problems.setdefault("image outputs not drawn", []).append({"sent": sent, "drawn": drawn})
     (shots_dir() / f"{chapter}-report.json").write_text(json.dumps(

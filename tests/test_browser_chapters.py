@@ -23,7 +23,8 @@ import pytest
 from gpucourse.course import find_notebooks, smoke_parameters, with_parameters
 
 from .conftest import ROOT
-from .test_browser import PANEL, RUN_STATE, assert_fits, assert_nothing_running, browser, lab, open_notebook, run_all
+from .test_browser import (KERNEL_START_S, PANEL, RUN_STATE, assert_fits, assert_nothing_running, browser, lab,
+                           open_notebook, run_all)
 
 try:  # the one screenshot folder of the browser tests (h19a's helper in test_browser.py)
     from .test_browser import shots_dir
@@ -138,8 +139,37 @@ def _check_cell(page, cell, index: int, chapter: str, shots: list[Path], problem
                 run = RUN_NAME.search(views[0]["status"])
                 what += "-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", run.group(1)) if run else ""
             shot = shots_dir() / f"{chapter}-{len(shots) + 1:02d}-{what}-cell{index}.png"
-            el.screenshot(path=str(shot))
+            _screenshot(page, el, shot)
             shots.append(shot)
+
+
+def _screenshot(page, el, path: Path) -> None:
+    """An element screenshot of the whole output. The notebook scrolls inside JupyterLab's panel, not the page,
+    so an output taller than the window would come out cut, toolbars around it: the window is made tall enough
+    for it (same width, so nothing reflows sideways), then put back."""
+    size = page.viewport_size
+    height = el.bounding_box()["height"]
+    if height > size["height"] - 250:
+        page.set_viewport_size({"width": size["width"], "height": int(height) + 300})
+        el.scroll_into_view_if_needed()
+    try:
+        el.screenshot(path=str(path))
+    finally:
+        page.set_viewport_size(size)
+
+
+class _PatientBrowser:
+    """The browser, its pages waiting up to KERNEL_START_S for JupyterLab's page to load: open_notebook's 30 s
+    default (page.goto) ran out once on this loaded machine before the chapter even opened. Playwright's
+    navigation timeout takes precedence over the default one open_notebook sets."""
+
+    def __init__(self, browser):
+        self._browser = browser
+
+    def new_page(self, **kwargs):
+        page = self._browser.new_page(**kwargs)
+        page.set_default_navigation_timeout(KERNEL_START_S * 1000)
+        return page
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
@@ -148,7 +178,7 @@ def test_chapter_runs_clean_in_the_browser(lab, browser, path):
     for old in shots_dir().glob(f"{chapter}-*.png"):  # the folder holds the last run's pictures only
         old.unlink()
     _prepare(lab, path)
-    page = open_notebook(browser, lab, path.name)
+    page = open_notebook(_PatientBrowser(browser), lab, path.name)
     run_all(page)
     took = _wait_ran(page, path.name)
     print(f"{path.stem}: all cells ran in the browser in {took:.0f} s (smoke sizes)")

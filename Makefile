@@ -40,7 +40,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -rs $(PYTEST_ARGS)
 
 # Every chapter run to the end in JupyterLab in headless Chromium, checked as drawn (tests/test_browser_chapters.py);
-# screenshots in $$GPUCOURSE_BROWSER_SHOTS or runs/browser-shots. Too long for `make test`: about N min here.
+# screenshots in $$GPUCOURSE_BROWSER_SHOTS or runs/browser-shots. Too long for `make test`: 35-50 min on a loaded 2-core machine.
 browser-pass: $(STAMP)
 	$(BIN)/python -m pytest -m browser_pass -q -rA -p no:cacheprovider tests/test_browser_chapters.py $(PYTEST_ARGS)
 

@@ -39,8 +39,9 @@ __all__ = ["lab", "browser"]  # fixtures, used by name
 pytestmark = [pytest.mark.browser_pass, pytest.mark.timeout(1800)]
 
 CHAPTERS = find_notebooks()  # notebooks/NN_*.ipynb: a new chapter is in the pass as soon as it exists
-# What a chapter reads beside notebooks/, as in a clone: scripts/ (03 launches 01's 01_bandwidth.py; the lab's
-# copy starts empty), and what its scripts and smoke parameters name (../solutions, ../exercises, ../data).
+# What a chapter reads beside notebooks/, as in a clone: scripts/ (the lab's copy starts empty; 03 launches 01's
+# 01_bandwidth.py, 07 imports 09's 09_gpt_2d.py, and 09 imports its own before the cell that writes it), and
+# what its scripts and smoke parameters name (../solutions, ../exercises, ../data).
 SIBLINGS = ("scripts", "solutions", "exercises", "data")
 CHAPTER_RUN_S = 1500  # a readiness wait, not a speed check: a chapter at smoke size takes minutes on a loaded machine
 

@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.gpucourse-installed
 PYTEST_ARGS ?=
 
-.PHONY: install lab kernel test course bench exercises clean
+.PHONY: install lab kernel test browser-pass course bench exercises clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gpucourse needs Python 3.11 or newer; set PYTHON=python3.11")'
@@ -38,6 +38,11 @@ lab: kernel $(LAB_OVERRIDES)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -rs $(PYTEST_ARGS)
+
+# Every chapter run to the end in JupyterLab in headless Chromium, checked as drawn (tests/test_browser_chapters.py);
+# screenshots in $$GPUCOURSE_BROWSER_SHOTS or runs/browser-shots. Too long for `make test`: 35-50 min on a loaded 2-core machine.
+browser-pass: $(STAMP)
+	$(BIN)/python -m pytest -m browser_pass -q -rA -p no:cacheprovider tests/test_browser_chapters.py $(PYTEST_ARGS)
 
 course: kernel
 	$(BIN)/gpucourse course $(COURSE_ARGS)

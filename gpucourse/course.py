@@ -57,6 +57,19 @@ def smoke_parameters(path: Path) -> dict:
     return dict(read_notebook(path).metadata.get("gpucourse", {}).get("smoke", {}))
 
 
+def with_parameters(path: Path, out: Path, parameters: dict) -> Path:
+    """Write to `out` a copy of the notebook with `parameters` injected the way papermill injects them (a cell
+    tagged `injected-parameters` right after the cell tagged `parameters`), for running it elsewhere than
+    through papermill: in JupyterLab, as the browser pass does with the smoke values CI uses."""
+    import nbformat
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    read_notebook(path)  # a clear CourseError for a file that is not a notebook
+    nbformat.write(parameterize_notebook(load_notebook_node(str(path)), parameters), out)
+    return out
+
+
 def _check_output(path: Path, out: Path) -> None:
     """`out` may be written: nothing is there, or an executed copy (papermill's mark) of an earlier run."""
     if out.resolve() == path.resolve():

@@ -6,7 +6,8 @@ import sys
 import nbformat
 import pytest
 
-from gpucourse.course import CHECK_MARK, execute_notebook, expected_outputs_file, find_notebooks, with_expected_outputs
+from gpucourse.course import (CHECK_MARK, execute_notebook, expected_outputs_file, find_notebooks, smoke_parameters,
+                              with_expected_outputs, with_parameters)
 
 from .conftest import ROOT, run_processes
 
@@ -88,6 +89,22 @@ def test_notebook_has_parameters_cell_and_smoke_values(path):
     smoke = nb.metadata.get("gpucourse", {}).get("smoke", {})
     defined = set(re.findall(r"^([A-Z_][A-Z0-9_]*)\s*=", tagged[0].source, re.M))
     assert set(smoke) <= defined, f"smoke parameters {set(smoke) - defined} are not in the parameters cell"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_smoke_copy_sets_the_smoke_values(path, tmp_path):
+    """The copy the browser pass opens in JupyterLab (papermill's injection, outside papermill): its parameters
+    cell then the injected one, run as Python, leave exactly the smoke values, and nothing else changed."""
+    smoke = smoke_parameters(path)
+    copy = nbformat.read(with_parameters(path, tmp_path / path.name, smoke), as_version=4)
+    original = _cells(path)
+    at = next(i for i, c in enumerate(copy.cells) if "parameters" in c.metadata.get("tags", []))
+    injected = copy.cells[at + 1]
+    assert injected.metadata.tags == ["injected-parameters"]
+    assert [c.source for c in copy.cells[:at + 1] + copy.cells[at + 2:]] == [c.source for c in original]
+    names: dict = {}
+    exec(copy.cells[at].source + "\n" + injected.source, names)
+    assert {k: names[k] for k in smoke} == smoke
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

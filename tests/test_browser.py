@@ -33,7 +33,8 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 JUPYTER = ROOT / ".venv" / "bin" / "jupyter"
 CHAPTER_00 = "00_setup_and_first_launch.ipynb"
 FOREVER = Path(__file__).resolve().parent / "browser_jobs" / "forever.py"
-SCREENSHOT_COPY = Path("/tmp/browser-00.png")
+WORKER = Path(__file__).resolve().parent / "jobs" / "worker.py"
+SHOTS_ENV = "GPUCOURSE_BROWSER_SHOTS"  # where screenshots go; default <repo>/runs/browser-shots (git-ignored)
 
 LAB_START_S = 180       # a readiness wait, not a speed check: ~10 s usually, over 60 s under heavy load
 KERNEL_START_S = 120    # page load + kernel start: ~15 s
@@ -70,6 +71,28 @@ class Lab:
 
     def run_dirs(self) -> list[Path]:
         return sorted(p for p in self.runs.iterdir() if p.is_dir()) if self.runs.exists() else []
+
+
+def shots_dir() -> Path:
+    """The one folder every browser test saves its screenshots in, for a reviewer to look at afterwards:
+    $GPUCOURSE_BROWSER_SHOTS if set, else <repo>/runs/browser-shots (runs/ is git-ignored)."""
+    folder = Path(os.environ.get(SHOTS_ENV) or ROOT / "runs" / "browser-shots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def save_shot(target, what: str, test: str | None = None) -> Path:
+    """Screenshot `target` (a Playwright page, or a locator for one widget) as shots_dir()/<test>-<what>.png.
+
+    test defaults to the running test's name (pytest's PYTEST_CURRENT_TEST), parameters included; a later run
+    overwrites the file, so the folder always holds the last run's pictures."""
+    if test is None:
+        current = os.environ.get("PYTEST_CURRENT_TEST", "browser").split("::")[-1].split(" ")[0]
+        test = current
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{test}-{what}").strip("_")
+    path = shots_dir() / f"{name}.png"
+    target.screenshot(path=str(path))
+    return path
 
 
 def _free_port() -> int:
@@ -272,9 +295,7 @@ def test_chapter_00_shows_a_live_view_per_launch(lab, browser):
     rank1 = shown_pane(two, "rank 1").inner_text()  # left selected for the screenshot
     assert "rank 1/2" in rank1 and "rank 0/2" not in rank1
     assert "all_reduce of all ranks = 1 (expected 1)" in rank1
-    shot = lab.runs / "browser-00.png"
-    page.screenshot(path=str(shot))
-    shutil.copy(shot, SCREENSHOT_COPY)
+    save_shot(page, "two-ranks-rank1-tab")
 
     one = scroll_to(launch_view(page, "00-hello-1-"))
     assert tab_titles(one) == ["all ranks", "rank 0"] and bar_style(one) == "success"
@@ -321,8 +342,7 @@ def test_interrupt_button_stops_the_launch(lab, browser):
     # The cell ends with the KeyboardInterrupt the launcher re-raises once the job is stopped.
     state = page.wait_for_function(RUN_STATE, arg="interrupt.ipynb", timeout=30_000, polling=250).json_value()
     scroll_to(view)
-    page.screenshot(path=str(lab.runs / "browser-interrupt.png"))
-    shutil.copy(lab.runs / "browser-interrupt.png", "/tmp/browser-interrupt.png")
+    save_shot(page, "interrupted")
 
     assert state.get("error", "").startswith("KeyboardInterrupt"), state
     assert status_line(view).startswith("interrupted"), status_line(view)
@@ -386,7 +406,6 @@ CUT_LABELS = """box => Array.from(box.querySelectorAll('label, .widget-readout')
 # JS: the plot's natural width against what it is drawn at (max-width: 100% shrinks a wider one silently).
 IMAGE_FIT = """box => Array.from(box.querySelectorAll('img')).map(img =>
     ({natural: img.naturalWidth, shown: img.clientWidth, container: img.parentElement.clientWidth}))"""
-CALCULATOR_SHOT = Path("/tmp/calc-after.png")
 
 
 def test_memory_calculator_fits_its_box(lab, browser):
@@ -405,7 +424,7 @@ def test_memory_calculator_fits_its_box(lab, browser):
     scroll_to(box)
     page.wait_for_function("box => Array.from(box.querySelectorAll('img')).every(i => i.complete)",
                            arg=box.element_handle())
-    box.screenshot(path=str(CALCULATOR_SHOT))
+    save_shot(box, "calculator")
 
     selects, images = box.evaluate(SELECT_FIT), box.evaluate(IMAGE_FIT)
     assert len(selects) == 2 and len(images) == 1, (selects, images)  # optimizer and precision; the plot
@@ -446,3 +465,46 @@ def test_run_explorer_shows_a_profiled_run(lab, browser):
     assert box.locator("img").count() == 2  # the timeline and the breakdown
     assert_fits(box)
     assert_nothing_running(lab)
+
+
+# JS: from now on, every 200 ms, what the learner sees of cell `index` and of the kernel: the cell's prompt
+# ("[*]:" while it runs), the kernel's status in JupyterLab's model, and the status bar's text; plus every
+# message the page exchanges with the kernel (for the report when the status is wrong).
+WATCH_STATUS = f"""([path, index]) => {{ {PANEL}
+    const kernel = panel.sessionContext.session.kernel;
+    const seen = {{samples: [], messages: []}};
+    window.gpucourseWatch = seen;
+    kernel.anyMessage.connect((_, {{msg, direction}}) => seen.messages.push({{
+        t: performance.now(), direction, channel: msg.channel, type: msg.header.msg_type,
+        parent: (msg.parent_header || {{}}).msg_type || null, parent_id: (msg.parent_header || {{}}).msg_id || null,
+        id: msg.header.msg_id, state: (msg.content || {{}}).execution_state || null}}));
+    seen.timer = setInterval(() => {{
+        const cell = panel.content.widgets[index];
+        const bar = document.querySelector('#jp-main-statusbar');
+        seen.samples.push({{t: performance.now(), prompt: cell.node.querySelector('.jp-InputPrompt').innerText,
+                            kernel: kernel.status, bar: bar ? bar.innerText.replace(/\\s+/g, ' ') : null}});
+    }}, 200); }}"""
+
+
+def test_status_stays_busy_while_a_launch_runs(lab, browser):
+    """Issue 19: 'the status bar sometimes says Idle while a launch cell is still running'. A launch of ~20 s,
+    the learner's view of it sampled every 200 ms: while the cell's prompt says [*], nothing says Idle."""
+    script = lab.scripts / FOREVER.name
+    shutil.copy(FOREVER, script)
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "gpucourse", "display_name": "Python (gpucourse)",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell("import gpucourse"),
+                nbformat.v4.new_code_cell(f"gpucourse.launch({str(script)!r}, nproc=2, name='busy', timeout=20, "
+                                          "check=False)")]
+    nbformat.write(nb, lab.root / "busy.ipynb")
+    page = open_notebook(browser, lab, "busy.ipynb")
+    page.evaluate(WATCH_STATUS, ["busy.ipynb", 1])
+    run_all(page)
+    wait_all_ran(page, "busy.ipynb")
+    seen = page.evaluate("() => { clearInterval(window.gpucourseWatch.timer); return window.gpucourseWatch; }")
+    save_shot(page, "after")
+    Path(os.environ.get("GPUCOURSE_IDLE_DUMP", "/dev/null")).write_text(json.dumps(seen, indent=1))
+    running = [s for s in seen["samples"] if s["prompt"].strip() == "[*]:"]
+    assert running, "never saw the launch cell running"
+    wrong = [s for s in running if s["kernel"] != "busy" or "Idle" in (s["bar"] or "")]
+    assert not wrong, (f"{len(wrong)} of {len(running)} samples taken while the cell ran say idle: {wrong[:5]}")

@@ -407,6 +407,10 @@ SELECT_FIT = """box => Array.from(box.querySelectorAll('select')).map(sel => {
 CUT_LABELS = """box => Array.from(box.querySelectorAll('label, .widget-readout'))
     .filter(el => el.clientWidth > 0 && el.scrollWidth > el.clientWidth)
     .map(el => ({text: el.innerText, scroll: el.scrollWidth, client: el.clientWidth}))"""
+# JS: text boxes (inputs, and HTML readouts such as a summary) whose text is wider than the box shows.
+CUT_TEXT_BOXES = """box => Array.from(box.querySelectorAll('input[type=text], input[type=number], textarea, .widget-html-content'))
+    .filter(el => el.clientWidth > 0 && el.scrollWidth > el.clientWidth)
+    .map(el => ({text: (el.value || el.innerText).slice(0, 80), scroll: el.scrollWidth, client: el.clientWidth}))"""
 # JS: the plot's natural width against what it is drawn at (max-width: 100% shrinks a wider one silently).
 IMAGE_FIT = """box => Array.from(box.querySelectorAll('img')).map(img =>
     ({natural: img.naturalWidth, shown: img.clientWidth, container: img.parentElement.clientWidth}))"""
@@ -441,6 +445,7 @@ def assert_fits(box) -> None:
     problems = {
         "dropdown text wider than its select (px)": [s for s in box.evaluate(SELECT_FIT) if s["needed"] > s["room"]],
         "labels cut": box.evaluate(CUT_LABELS),
+        "text boxes cut": box.evaluate(CUT_TEXT_BOXES),
         "plot shrunk to fit": [i for i in box.evaluate(IMAGE_FIT) if i["natural"] > min(i["shown"], i["container"])],
     }
     assert not any(problems.values()), problems
@@ -515,3 +520,129 @@ def test_status_stays_busy_while_a_launch_runs(lab, browser):
                       and m["parent"] != "execute_request"})
     assert not wrong, (f"{len(wrong)} of {len(running)} samples taken while the cell ran say idle: {wrong[:3]}; "
                        f"idle statuses of other requests: {foreign}")
+
+
+# JS: run `code` in the notebook's kernel (as a learner's extra cell would, but not in the notebook) and return
+# what it printed: how a test reads the kernel's side of a widget after the browser moved it.
+KERNEL_EVAL = f"""async ([path, code]) => {{ {PANEL}
+    const future = panel.sessionContext.session.kernel.requestExecute({{code, store_history: false}});
+    let text = '';
+    future.onIOPub = msg => {{
+        if (msg.header.msg_type === 'stream') text += msg.content.text;
+        if (msg.header.msg_type === 'error') text += `ERROR ${{msg.content.ename}}: ${{msg.content.evalue}}`; }};
+    await future.done;
+    return text; }}"""
+
+
+def kernel_eval(page, path: str, code: str) -> str:
+    text = page.evaluate(KERNEL_EVAL, [path, code])
+    assert not text.startswith("ERROR"), text
+    return text
+
+
+SIMULATOR_GIVEN = {"compute_s": 0.08, "grad_bytes": 4 * 25.6e6, "alpha": 1e-5, "beta": 1e-10, "bucket_mb": 3.3,
+                   "backward_fraction": 0.6, "overlap_cost": 0.25, "batch": 16}
+SIMULATOR_STATE = ("import json; print(json.dumps(dict(params=sim.params.value, dtype=sim.grad_dtype.value, "
+                   "compute_ms=sim.compute_ms.value, world_lo=sim.world.value[0], world_hi=sim.world.value[1], bucket_mb=sim.bucket_mb.value, "
+                   "overlap=sim.overlap.value, backward=sim.backward.value, overlap_cost=sim.overlap_cost.value, "
+                   "batch=sim.batch.value, interconnect=sim.interconnect.value)))")
+
+
+def modelled_summary(state: dict) -> list[str]:
+    """What the simulator's summary must say for these control values, from gpucourse.costs (the one model):
+    the step, its parts and the efficiency at the largest world size chosen."""
+    from gpucourse import costs
+    from gpucourse.widgets import FITTED, _time
+
+    assert state["interconnect"] == FITTED  # the measured α–β below
+    n, compute_s = state["world_hi"], state["compute_ms"] / 1e3
+    m = costs.ddp_step_time(compute_s, round(state["params"] * state["dtype"]), n, SIMULATOR_GIVEN["alpha"],
+                            SIMULATOR_GIVEN["beta"], bucket_bytes=state["bucket_mb"] * 2**20, overlap=state["overlap"],
+                            backward_fraction=state["backward"], overlap_cost=state["overlap_cost"])
+    return [f"At N = {n}: step {_time(m.step)}", f"compute {_time(compute_s)}", f"exposed comm {_time(m.exposed)}",
+            f"overlap cost {_time(m.overlap_penalty)}", f"all-reduce {_time(m.comm)} in {m.num_buckets} bucket(s)",
+            f"efficiency {100 * compute_s / m.step:.0f} %", f"{n * state['batch'] / m.step:.3g} samples/s"]
+
+
+def test_scaling_simulator_follows_its_sliders(lab, browser):
+    """Chapter 03's simulator as a learner uses it: it starts at the values it was given (no snapping), and each
+    slider moved from the keyboard changes the kernel's value, redraws the plot, and makes the summary say what
+    gpucourse.costs says for the new values. Nothing in it is cut."""
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "gpucourse", "display_name": "Python (gpucourse)",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(f"from gpucourse.widgets import scaling_simulator\n"
+                                          f"sim = scaling_simulator({SIMULATOR_GIVEN!r})\nsim")]
+    nbformat.write(nb, lab.root / "simulator.ipynb")
+    page = open_notebook(browser, lab, "simulator.ipynb")
+    run_all(page)
+    wait_all_ran(page, "simulator.ipynb")
+    box = page.locator(".jp-OutputArea-output .widget-vbox").first
+    box.locator("img").wait_for(timeout=60_000)
+    scroll_to(box)
+    summary = box.locator(".widget-html-content").last
+
+    assert box.locator("img").count() == 1, "the plot is shown more than once"
+
+    def shown() -> tuple[str, str]:
+        return summary.inner_text(), box.locator("img").get_attribute("src")
+
+    def settled() -> tuple[dict, tuple[str, str]]:
+        """The kernel's values once the summary on the page is the model's for them (a readiness wait)."""
+        for _ in range(120):
+            state = json.loads(kernel_eval(page, "simulator.ipynb", SIMULATOR_STATE))
+            text = shown()[0]
+            if all(part in text for part in modelled_summary(state)):
+                return state, shown()
+            time.sleep(0.5)
+        pytest.fail(f"the summary {text!r} never matched the model for {state}: {modelled_summary(state)}")
+
+    state, before = settled()
+    # The given values, not snapped to a grid (8.8 ms became 7.94 ms): the browser's log sliders send back
+    # 10 ** log10(value), equal to the last few bits of a float.
+    numbers = {k: v for k, v in state.items() if k != "interconnect"}
+    assert numbers == pytest.approx({"params": 25.6e6, "dtype": 4, "compute_ms": 80.0, "world_lo": 1,
+                                     "world_hi": 4096, "bucket_mb": 3.3, "overlap": True, "backward": 0.6,
+                                     "overlap_cost": 0.25, "batch": 16}, rel=1e-12), state
+    readouts = box.locator(".widget-readout").all_inner_texts()
+    assert readouts == ["2.56e+7", "80.0", "1-4096", "3.30", "0.60", "0.25"], readouts
+    assert box.locator("input[type=number]").input_value() == "16"
+    assert_fits(box)
+    save_shot(box, "initial")
+
+    moves = [("parameters", ".noUi-handle", "ArrowLeft", "params"),
+             ("compute per step", ".noUi-handle", "ArrowRight", "compute_ms"),
+             ("world sizes", ".noUi-handle-upper", "ArrowLeft", "world_hi"),
+             ("bucket size", ".noUi-handle", "ArrowRight", "bucket_mb"),
+             ("backward fraction", ".noUi-handle", -80, "backward"),  # px: dragged with the mouse
+             ("overlap cost", ".noUi-handle", 80, "overlap_cost")]
+    for label, handle, key, name in moves:
+        slider = box.locator(".widget-hslider", has_text=label)
+        assert slider.count() == 1, f"no single slider labelled {label!r}"
+        if isinstance(key, str):  # a key pressed on the focused handle
+            slider.locator(handle).focus()
+            page.keyboard.press(key)
+        else:  # the handle dragged `key` pixels sideways
+            where = slider.locator(handle).bounding_box()
+            x, y = where["x"] + where["width"] / 2, where["y"] + where["height"] / 2
+            page.mouse.move(x, y)
+            page.mouse.down()
+            page.mouse.move(x + key, y, steps=8)
+            page.mouse.up()
+        # Readiness: the summary, then the plot (drawn after it), replaced.
+        for what, changed in [("summary", "([box, old]) => Array.from(box.querySelectorAll('.widget-html-content'))"
+                                          ".pop().innerText !== old[0]"),
+                              ("plot", "([box, old]) => { const img = box.querySelector('img'); "
+                                       "return !!img && img.getAttribute('src') !== old[1]; }")]:
+            try:
+                page.wait_for_function(changed, arg=[box.element_handle(), list(before)], timeout=60_000)
+            except sync_api.TimeoutError:
+                save_shot(box, f"stuck-{name}")
+                pytest.fail(f"{key} on the {label!r} slider did not change the {what} within 60 s")
+        new_state, after = settled()
+        assert new_state[name] != state[name], f"{key} on {label!r} did not change {name}: {state[name]}"
+        changed = sorted(k for k in state if new_state[k] != state[k])
+        assert set(changed) <= {name, "compute_ms"}, (label, changed)  # compute follows the parameter count only
+        assert box.locator("img").count() == 1, f"after moving {label!r} the plot is shown more than once"
+        assert_fits(box)
+        state, before = new_state, after
+    save_shot(box, "after-moving-every-slider")

@@ -389,6 +389,7 @@ def test_widgets_show_the_values_they_were_given(lab, browser):
     assert re.sub(r"\s+", " ", shown) == re.sub(r"\s+", " ", expected), (shown, expected)
     quiz = page.locator(".jp-Cell").nth(2)
     scroll_to(quiz)
+    save_shot(page, "quiz-unanswered")
     assert "Which option?" in quiz.inner_text() and "ANSWER-TEXT" not in quiz.inner_text()  # not before answering
 
 
@@ -472,6 +473,7 @@ def test_run_explorer_shows_a_profiled_run(lab, browser):
     chosen = box.locator("select").evaluate("sel => sel.options[sel.selectedIndex].text")
     assert chosen.startswith("explored"), chosen
     assert box.locator("img").count() == 2  # the timeline and the breakdown
+    save_shot(box, "explorer")
     assert_fits(box)
     assert_nothing_running(lab)
 

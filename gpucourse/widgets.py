@@ -11,7 +11,7 @@ all-reduce time that the backward pass does not hide (ring all-reduce in buckets
 model: no stragglers, no data loading, one flat ring (NCCL switches to trees and hierarchical rings at scale,
 so at thousands of GPUs the ring's 2(N−1)·α latency term overstates real latency).
 
-Both widgets draw into an Output by setting its outputs (`append_display_data`), not with `with out:`, so they
+Both widgets draw into an Output by setting its outputs (one list, see _show), not with `with out:`, so they
 work the same in JupyterLab, under papermill and in plain Python (tests), from any thread.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import io
 import math
 import numbers
 import re
+import threading
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -145,12 +146,21 @@ def _png(fig):
 
 
 def _show(out, figures=(), text: str = "") -> None:
-    """Replace what `out` shows: the figures, then the text (monospace). Safe from any thread."""
-    out.outputs = ()
+    """Replace what `out` shows: the figures, then the text (monospace). Safe from any thread.
+
+    One assignment of the whole list, not a clear followed by appends: with ipykernel 7 and JupyterLab 4.4+, a
+    widget's messages from the browser are handled on a kernel subshell, in another thread than the cell, so two
+    redraws can run at once, and clear, clear, append, append showed the plot twice."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    fmt = InteractiveShell.instance().display_formatter.format
+    outputs = []
     for fig in figures:
-        out.append_display_data(_png(fig))
+        data, metadata = fmt(_png(fig))
+        outputs.append({"output_type": "display_data", "data": data, "metadata": metadata})
     if text:
-        out.append_stdout(text + "\n")
+        outputs.append({"output_type": "stream", "name": "stdout", "text": text + "\n"})
+    out.outputs = tuple(outputs)
 
 
 # --- run explorer ------------------------------------------------------------------------------------
@@ -253,7 +263,8 @@ class ScalingSimulator:
         self.params = w.FloatLogSlider(value=m.get("grad_bytes", 4 * 25.6e6) / 4, base=10, min=5, max=12, step=None,
                                        description="parameters", readout_format=".3g", style=style, layout=wide)
         self.grad_dtype = w.Dropdown(options=[("fp32 (4 B)", 4), ("bf16 / fp16 (2 B)", 2)], value=4,
-                                     description="gradient element", style=style)
+                                     description="gradient element", style=style,
+                                     layout=w.Layout(width="360px"))  # at the default 300 px, "bf16 / fp16 (2 B)" was cut
         self.compute_ms = w.FloatLogSlider(value=1e3 * m.get("compute_s", 0.1), base=10, min=-1, max=7, step=None,
                                            description="compute per step (ms)", readout_format=".3g",
                                            style=style, layout=wide)
@@ -268,8 +279,9 @@ class ScalingSimulator:
         self.overlap = w.Checkbox(value=True, description="overlap all-reduce with backward", style=style,
                                   layout=wide)
         self.backward = w.FloatSlider(value=m.get("backward_fraction", costs.BACKWARD_FRACTION), min=0, max=1,
-                                      step=1e-4, description="backward share of compute", readout_format=".2f",
-                                      style=style, layout=wide)  # what overlap can hide behind
+                                      step=1e-4, description="backward fraction", readout_format=".2f",
+                                      tooltip="backward's share of compute per step: what overlap can hide behind",
+                                      style=style, layout=wide)  # "backward share of compute" was cut at 170 px
         self.overlap_cost = w.FloatSlider(value=m.get("overlap_cost", 0.0), min=0, max=1, step=1e-4,
                                           description="overlap cost", readout_format=".2f", style=style,
                                           layout=wide)  # 0: hidden comm is free (GPU); 1: it costs compute fully
@@ -283,6 +295,9 @@ class ScalingSimulator:
         self.rows: list[dict] = []
         self.figure = None
         self._rescaling = False
+        # Redraws come from the cell's thread and from the browser's messages on a kernel subshell's thread: one
+        # at a time, each reading the controls when it starts, so the last redraw shows the latest values.
+        self._lock = threading.RLock()
         for control in self.controls:
             control.observe(lambda _: self.update(), names="value")
         self.params.observe(self._compute_follows_params, names="value")
@@ -292,14 +307,15 @@ class ScalingSimulator:
         """A bigger model computes for longer: compute per step scales with the parameter count (same batch,
         same shape of model), then the model is redrawn once. Set the compute slider after the parameters to
         model another batch or another device."""
-        if self._rescaling or not change["old"]:
-            return
-        self._rescaling = True
-        try:
-            self.compute_ms.value *= change["new"] / change["old"]
-        finally:
-            self._rescaling = False
-        self.update()
+        with self._lock:
+            if self._rescaling or not change["old"]:
+                return
+            self._rescaling = True
+            try:
+                self.compute_ms.value *= change["new"] / change["old"]
+            finally:
+                self._rescaling = False
+            self.update()
 
     def _at_measured_model(self) -> bool:
         """Whether the controls still describe the model that was measured (its dots belong on the plot)."""
@@ -321,8 +337,12 @@ class ScalingSimulator:
 
     def update(self) -> None:
         """Recompute the model from the controls and redraw."""
-        if self._rescaling:
-            return  # _compute_follows_params redraws once both sliders moved
+        with self._lock:
+            if self._rescaling:
+                return  # _compute_follows_params redraws once both sliders moved
+            self._redraw()
+
+    def _redraw(self) -> None:
         alpha, beta, link = self.link()
         lo, hi = self.world.value
         sizes = [n for n in WORLD_SIZES if lo <= n <= hi]

@@ -21,6 +21,8 @@ import nbformat
 import psutil
 import pytest
 
+from gpucourse import labconfig
+
 from .conftest import ROOT, run_processes
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed in this environment")
@@ -33,7 +35,8 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 JUPYTER = ROOT / ".venv" / "bin" / "jupyter"
 CHAPTER_00 = "00_setup_and_first_launch.ipynb"
 FOREVER = Path(__file__).resolve().parent / "browser_jobs" / "forever.py"
-SCREENSHOT_COPY = Path("/tmp/browser-00.png")
+WORKER = Path(__file__).resolve().parent / "jobs" / "worker.py"
+SHOTS_ENV = "GPUCOURSE_BROWSER_SHOTS"  # where screenshots go; default <repo>/runs/browser-shots (git-ignored)
 
 LAB_START_S = 180       # a readiness wait, not a speed check: ~10 s usually, over 60 s under heavy load
 KERNEL_START_S = 120    # page load + kernel start: ~15 s
@@ -70,6 +73,28 @@ class Lab:
 
     def run_dirs(self) -> list[Path]:
         return sorted(p for p in self.runs.iterdir() if p.is_dir()) if self.runs.exists() else []
+
+
+def shots_dir() -> Path:
+    """The one folder every browser test saves its screenshots in, for a reviewer to look at afterwards:
+    $GPUCOURSE_BROWSER_SHOTS if set, else <repo>/runs/browser-shots (runs/ is git-ignored)."""
+    folder = Path(os.environ.get(SHOTS_ENV) or ROOT / "runs" / "browser-shots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def save_shot(target, what: str, test: str | None = None) -> Path:
+    """Screenshot `target` (a Playwright page, or a locator for one widget) as shots_dir()/<test>-<what>.png.
+
+    test defaults to the running test's name (pytest's PYTEST_CURRENT_TEST), parameters included; a later run
+    overwrites the file, so the folder always holds the last run's pictures."""
+    if test is None:
+        current = os.environ.get("PYTEST_CURRENT_TEST", "browser").split("::")[-1].split(" ")[0]
+        test = current
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{test}-{what}").strip("_")
+    path = shots_dir() / f"{name}.png"
+    target.screenshot(path=str(path))
+    return path
 
 
 def _free_port() -> int:
@@ -143,7 +168,9 @@ def lab(tmp_path):
                                                          os.environ.get("JUPYTER_PATH")])),
            "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "lab-settings"),
            "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "lab-workspaces"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter-runtime")}
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter-runtime"),
+           # the server settings `make lab` writes into .venv (gpucourse/labconfig.py), here in a config dir of its own
+           "JUPYTER_CONFIG_DIR": str(labconfig.write(tmp_path / "jupyter-config").parent)}
     env.pop("GPUCOURSE_LIVE", None)  # the point is the widget view, whatever the caller's shell says
     cmd = [str(JUPYTER), "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work / 'notebooks'}",
@@ -272,9 +299,7 @@ def test_chapter_00_shows_a_live_view_per_launch(lab, browser):
     rank1 = shown_pane(two, "rank 1").inner_text()  # left selected for the screenshot
     assert "rank 1/2" in rank1 and "rank 0/2" not in rank1
     assert "all_reduce of all ranks = 1 (expected 1)" in rank1
-    shot = lab.runs / "browser-00.png"
-    page.screenshot(path=str(shot))
-    shutil.copy(shot, SCREENSHOT_COPY)
+    save_shot(page, "two-ranks-rank1-tab")
 
     one = scroll_to(launch_view(page, "00-hello-1-"))
     assert tab_titles(one) == ["all ranks", "rank 0"] and bar_style(one) == "success"
@@ -321,8 +346,7 @@ def test_interrupt_button_stops_the_launch(lab, browser):
     # The cell ends with the KeyboardInterrupt the launcher re-raises once the job is stopped.
     state = page.wait_for_function(RUN_STATE, arg="interrupt.ipynb", timeout=30_000, polling=250).json_value()
     scroll_to(view)
-    page.screenshot(path=str(lab.runs / "browser-interrupt.png"))
-    shutil.copy(lab.runs / "browser-interrupt.png", "/tmp/browser-interrupt.png")
+    save_shot(page, "interrupted")
 
     assert state.get("error", "").startswith("KeyboardInterrupt"), state
     assert status_line(view).startswith("interrupted"), status_line(view)
@@ -365,6 +389,7 @@ def test_widgets_show_the_values_they_were_given(lab, browser):
     assert re.sub(r"\s+", " ", shown) == re.sub(r"\s+", " ", expected), (shown, expected)
     quiz = page.locator(".jp-Cell").nth(2)
     scroll_to(quiz)
+    save_shot(page, "quiz-unanswered")
     assert "Which option?" in quiz.inner_text() and "ANSWER-TEXT" not in quiz.inner_text()  # not before answering
 
 
@@ -383,10 +408,13 @@ SELECT_FIT = """box => Array.from(box.querySelectorAll('select')).map(sel => {
 CUT_LABELS = """box => Array.from(box.querySelectorAll('label, .widget-readout'))
     .filter(el => el.clientWidth > 0 && el.scrollWidth > el.clientWidth)
     .map(el => ({text: el.innerText, scroll: el.scrollWidth, client: el.clientWidth}))"""
+# JS: text boxes (inputs, and HTML readouts such as a summary) whose text is wider than the box shows.
+CUT_TEXT_BOXES = """box => Array.from(box.querySelectorAll('input[type=text], input[type=number], textarea, .widget-html-content'))
+    .filter(el => el.clientWidth > 0 && el.scrollWidth > el.clientWidth)
+    .map(el => ({text: (el.value || el.innerText).slice(0, 80), scroll: el.scrollWidth, client: el.clientWidth}))"""
 # JS: the plot's natural width against what it is drawn at (max-width: 100% shrinks a wider one silently).
 IMAGE_FIT = """box => Array.from(box.querySelectorAll('img')).map(img =>
     ({natural: img.naturalWidth, shown: img.clientWidth, container: img.parentElement.clientWidth}))"""
-CALCULATOR_SHOT = Path("/tmp/calc-after.png")
 
 
 def test_memory_calculator_fits_its_box(lab, browser):
@@ -405,7 +433,7 @@ def test_memory_calculator_fits_its_box(lab, browser):
     scroll_to(box)
     page.wait_for_function("box => Array.from(box.querySelectorAll('img')).every(i => i.complete)",
                            arg=box.element_handle())
-    box.screenshot(path=str(CALCULATOR_SHOT))
+    save_shot(box, "calculator")
 
     selects, images = box.evaluate(SELECT_FIT), box.evaluate(IMAGE_FIT)
     assert len(selects) == 2 and len(images) == 1, (selects, images)  # optimizer and precision; the plot
@@ -418,6 +446,7 @@ def assert_fits(box) -> None:
     problems = {
         "dropdown text wider than its select (px)": [s for s in box.evaluate(SELECT_FIT) if s["needed"] > s["room"]],
         "labels cut": box.evaluate(CUT_LABELS),
+        "text boxes cut": box.evaluate(CUT_TEXT_BOXES),
         "plot shrunk to fit": [i for i in box.evaluate(IMAGE_FIT) if i["natural"] > min(i["shown"], i["container"])],
     }
     assert not any(problems.values()), problems
@@ -444,5 +473,178 @@ def test_run_explorer_shows_a_profiled_run(lab, browser):
     chosen = box.locator("select").evaluate("sel => sel.options[sel.selectedIndex].text")
     assert chosen.startswith("explored"), chosen
     assert box.locator("img").count() == 2  # the timeline and the breakdown
+    save_shot(box, "explorer")
     assert_fits(box)
     assert_nothing_running(lab)
+
+
+# JS: from now on, every 200 ms, what the learner sees of cell `index` and of the kernel: the cell's prompt
+# ("[*]:" while it runs), the kernel's status in JupyterLab's model, and the status bar's text; plus every
+# message the page exchanges with the kernel (for the report when the status is wrong).
+WATCH_STATUS = f"""([path, index]) => {{ {PANEL}
+    const kernel = panel.sessionContext.session.kernel;
+    const seen = {{samples: [], messages: []}};
+    window.gpucourseWatch = seen;
+    kernel.anyMessage.connect((_, {{msg, direction}}) => seen.messages.push({{
+        t: performance.now(), direction, channel: msg.channel, type: msg.header.msg_type,
+        parent: (msg.parent_header || {{}}).msg_type || null, parent_id: (msg.parent_header || {{}}).msg_id || null,
+        id: msg.header.msg_id, state: (msg.content || {{}}).execution_state || null}}));
+    seen.timer = setInterval(() => {{
+        const cell = panel.content.widgets[index];
+        const bar = document.querySelector('#jp-main-statusbar');
+        seen.samples.push({{t: performance.now(), prompt: cell.node.querySelector('.jp-InputPrompt').innerText,
+                            kernel: kernel.status, bar: bar ? bar.innerText.replace(/\\s+/g, ' ') : null}});
+    }}, 200); }}"""
+
+
+def test_status_stays_busy_while_a_launch_runs(lab, browser):
+    """Issue 19: 'the status bar sometimes says Idle while a launch cell is still running'. A launch of ~20 s,
+    the learner's view of it sampled every 200 ms: while the cell's prompt says [*], nothing says Idle."""
+    script = lab.scripts / FOREVER.name
+    shutil.copy(FOREVER, script)
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "gpucourse", "display_name": "Python (gpucourse)",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell("import gpucourse"),
+                nbformat.v4.new_code_cell(f"gpucourse.launch({str(script)!r}, nproc=2, name='busy', timeout=20, "
+                                          "check=False)")]
+    nbformat.write(nb, lab.root / "busy.ipynb")
+    page = open_notebook(browser, lab, "busy.ipynb")
+    page.evaluate(WATCH_STATUS, ["busy.ipynb", 1])
+    run_all(page)
+    wait_all_ran(page, "busy.ipynb")
+    seen = page.evaluate("() => { clearInterval(window.gpucourseWatch.timer); return window.gpucourseWatch; }")
+    save_shot(page, "after")
+    running = [s for s in seen["samples"] if s["prompt"].strip() == "[*]:"]
+    assert running, "never saw the launch cell running"
+    wrong = [s for s in running if s["kernel"] != "busy" or "Idle" in (s["bar"] or "")]
+    # The kernel's iopub "idle"s whose parent is not an execute request: what JupyterLab may have taken for its status.
+    foreign = sorted({m["parent"] for m in seen["messages"] if m["type"] == "status" and m["state"] == "idle"
+                      and m["parent"] != "execute_request"})
+    assert not wrong, (f"{len(wrong)} of {len(running)} samples taken while the cell ran say idle: {wrong[:3]}; "
+                       f"idle statuses of other requests: {foreign}")
+
+
+# JS: run `code` in the notebook's kernel (as a learner's extra cell would, but not in the notebook) and return
+# what it printed: how a test reads the kernel's side of a widget after the browser moved it.
+KERNEL_EVAL = f"""async ([path, code]) => {{ {PANEL}
+    const future = panel.sessionContext.session.kernel.requestExecute({{code, store_history: false}});
+    let text = '';
+    future.onIOPub = msg => {{
+        if (msg.header.msg_type === 'stream') text += msg.content.text;
+        if (msg.header.msg_type === 'error') text += `ERROR ${{msg.content.ename}}: ${{msg.content.evalue}}`; }};
+    await future.done;
+    return text; }}"""
+
+
+def kernel_eval(page, path: str, code: str) -> str:
+    text = page.evaluate(KERNEL_EVAL, [path, code])
+    assert not text.startswith("ERROR"), text
+    return text
+
+
+SIMULATOR_GIVEN = {"compute_s": 0.08, "grad_bytes": 4 * 25.6e6, "alpha": 1e-5, "beta": 1e-10, "bucket_mb": 3.3,
+                   "backward_fraction": 0.6, "overlap_cost": 0.25, "batch": 16}
+SIMULATOR_STATE = ("import json; print(json.dumps(dict(params=sim.params.value, dtype=sim.grad_dtype.value, "
+                   "compute_ms=sim.compute_ms.value, world_lo=sim.world.value[0], world_hi=sim.world.value[1], bucket_mb=sim.bucket_mb.value, "
+                   "overlap=sim.overlap.value, backward=sim.backward.value, overlap_cost=sim.overlap_cost.value, "
+                   "batch=sim.batch.value, interconnect=sim.interconnect.value)))")
+
+
+def modelled_summary(state: dict) -> list[str]:
+    """What the simulator's summary must say for these control values, from gpucourse.costs (the one model):
+    the step, its parts and the efficiency at the largest world size chosen."""
+    from gpucourse import costs
+    from gpucourse.widgets import FITTED, _time
+
+    assert state["interconnect"] == FITTED  # the measured α–β below
+    n, compute_s = state["world_hi"], state["compute_ms"] / 1e3
+    m = costs.ddp_step_time(compute_s, round(state["params"] * state["dtype"]), n, SIMULATOR_GIVEN["alpha"],
+                            SIMULATOR_GIVEN["beta"], bucket_bytes=state["bucket_mb"] * 2**20, overlap=state["overlap"],
+                            backward_fraction=state["backward"], overlap_cost=state["overlap_cost"])
+    return [f"At N = {n}: step {_time(m.step)}", f"compute {_time(compute_s)}", f"exposed comm {_time(m.exposed)}",
+            f"overlap cost {_time(m.overlap_penalty)}", f"all-reduce {_time(m.comm)} in {m.num_buckets} bucket(s)",
+            f"efficiency {100 * compute_s / m.step:.0f} %", f"{n * state['batch'] / m.step:.3g} samples/s"]
+
+
+def test_scaling_simulator_follows_its_sliders(lab, browser):
+    """Chapter 03's simulator as a learner uses it: it starts at the values it was given (no snapping), and each
+    slider moved from the keyboard changes the kernel's value, redraws the plot, and makes the summary say what
+    gpucourse.costs says for the new values. Nothing in it is cut."""
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "gpucourse", "display_name": "Python (gpucourse)",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(f"from gpucourse.widgets import scaling_simulator\n"
+                                          f"sim = scaling_simulator({SIMULATOR_GIVEN!r})\nsim")]
+    nbformat.write(nb, lab.root / "simulator.ipynb")
+    page = open_notebook(browser, lab, "simulator.ipynb")
+    run_all(page)
+    wait_all_ran(page, "simulator.ipynb")
+    box = page.locator(".jp-OutputArea-output .widget-vbox").first
+    box.locator("img").wait_for(timeout=60_000)
+    scroll_to(box)
+    summary = box.locator(".widget-html-content").last
+
+    assert box.locator("img").count() == 1, "the plot is shown more than once"
+
+    def shown() -> tuple[str, str]:
+        return summary.inner_text(), box.locator("img").get_attribute("src")
+
+    def settled() -> tuple[dict, tuple[str, str]]:
+        """The kernel's values once the summary on the page is the model's for them (a readiness wait)."""
+        for _ in range(120):
+            state = json.loads(kernel_eval(page, "simulator.ipynb", SIMULATOR_STATE))
+            text = shown()[0]
+            if all(part in text for part in modelled_summary(state)):
+                return state, shown()
+            time.sleep(0.5)
+        pytest.fail(f"the summary {text!r} never matched the model for {state}: {modelled_summary(state)}")
+
+    state, before = settled()
+    # The given values, not snapped to a grid (8.8 ms became 7.94 ms): the browser's log sliders send back
+    # 10 ** log10(value), equal to the last few bits of a float.
+    numbers = {k: v for k, v in state.items() if k != "interconnect"}
+    assert numbers == pytest.approx({"params": 25.6e6, "dtype": 4, "compute_ms": 80.0, "world_lo": 1,
+                                     "world_hi": 4096, "bucket_mb": 3.3, "overlap": True, "backward": 0.6,
+                                     "overlap_cost": 0.25, "batch": 16}, rel=1e-12), state
+    readouts = box.locator(".widget-readout").all_inner_texts()
+    assert readouts == ["2.56e+7", "80.0", "1-4096", "3.30", "0.60", "0.25"], readouts
+    assert box.locator("input[type=number]").input_value() == "16"
+    assert_fits(box)
+    save_shot(box, "initial")
+
+    moves = [("parameters", ".noUi-handle", "ArrowLeft", "params"),
+             ("compute per step", ".noUi-handle", "ArrowRight", "compute_ms"),
+             ("world sizes", ".noUi-handle-upper", "ArrowLeft", "world_hi"),
+             ("bucket size", ".noUi-handle", "ArrowRight", "bucket_mb"),
+             ("backward fraction", ".noUi-handle", -80, "backward"),  # px: dragged with the mouse
+             ("overlap cost", ".noUi-handle", 80, "overlap_cost")]
+    for label, handle, key, name in moves:
+        slider = box.locator(".widget-hslider", has_text=label)
+        assert slider.count() == 1, f"no single slider labelled {label!r}"
+        if isinstance(key, str):  # a key pressed on the focused handle
+            slider.locator(handle).focus()
+            page.keyboard.press(key)
+        else:  # the handle dragged `key` pixels sideways
+            where = slider.locator(handle).bounding_box()
+            x, y = where["x"] + where["width"] / 2, where["y"] + where["height"] / 2
+            page.mouse.move(x, y)
+            page.mouse.down()
+            page.mouse.move(x + key, y, steps=8)
+            page.mouse.up()
+        # Readiness: the summary, then the plot (drawn after it), replaced.
+        for what, changed in [("summary", "([box, old]) => Array.from(box.querySelectorAll('.widget-html-content'))"
+                                          ".pop().innerText !== old[0]"),
+                              ("plot", "([box, old]) => { const img = box.querySelector('img'); "
+                                       "return !!img && img.getAttribute('src') !== old[1]; }")]:
+            try:
+                page.wait_for_function(changed, arg=[box.element_handle(), list(before)], timeout=60_000)
+            except sync_api.TimeoutError:
+                save_shot(box, f"stuck-{name}")
+                pytest.fail(f"{key} on the {label!r} slider did not change the {what} within 60 s")
+        new_state, after = settled()
+        assert new_state[name] != state[name], f"{key} on {label!r} did not change {name}: {state[name]}"
+        changed = sorted(k for k in state if new_state[k] != state[k])
+        assert set(changed) <= {name, "compute_ms"}, (label, changed)  # compute follows the parameter count only
+        assert box.locator("img").count() == 1, f"after moving {label!r} the plot is shown more than once"
+        assert_fits(box)
+        state, before = new_state, after
+    save_shot(box, "after-moving-every-slider")

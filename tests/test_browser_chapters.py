@@ -12,7 +12,6 @@ A whole pass takes far longer than CI's browser budget (timings: the report of #
 `browser_pass` marker, deselected by default; `make browser-pass` runs it.
 """
 import json
-import os
 import re
 import shutil
 import time
@@ -24,15 +23,7 @@ from gpucourse.course import find_notebooks, smoke_parameters, with_parameters
 
 from .conftest import ROOT
 from .test_browser import (KERNEL_START_S, PANEL, RUN_STATE, assert_fits, assert_nothing_running, browser, lab,
-                           open_notebook, run_all)
-
-try:  # the one screenshot folder of the browser tests (h19a's helper in test_browser.py)
-    from .test_browser import shots_dir
-except ImportError:  # until it lands: the same rule
-    def shots_dir() -> Path:
-        folder = Path(os.environ.get("GPUCOURSE_BROWSER_SHOTS") or ROOT / "runs" / "browser-shots")
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder
+                           open_notebook, run_all, shots_dir)
 
 __all__ = ["lab", "browser"]  # fixtures, used by name
 

@@ -10,13 +10,14 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 
 from gpucourse import exercises, grading
 from gpucourse.exercises import ExerciseError, generate_exercises, render_exercise, resolve
-from tests.graders.job_records import REPORT_SLACK, job_module, raw
+from tests.graders.job_records import REPORT_SLACK, JobRecords, job_module, raw
 
 SOLUTION = exercises.solutions_dir() / "ex01_ring_allreduce.py"
 EXERCISE = exercises.exercises_dir() / "ex01_ring_allreduce.py"
@@ -339,6 +340,21 @@ def test_a_syntax_error_is_graded_zero_with_the_error(tmp_path):
     report = grading.grade("ex01", bad)
     assert report.tests and report.score == 0 and report.max_score > 0
     assert all("syntax error at line 1" in t.reason for t in report.tests)
+
+
+def test_job_records_carry_the_graders_own_facts(tmp_path):
+    """Every record, made-up ones included, carries the run folder, the rank and the world size the grader
+    launched, whatever the rank wrote: the tests judge with them (ex04's plan, ex07's and ex10's byte limits)."""
+    plan = {"case": "plan", "cases": {"a": "a"}}
+    forged = {"case": "a", "rank": 5, "world": 99, "run_dir": "/elsewhere", "error": None}
+    result = SimpleNamespace(run_dir=tmp_path, metrics={0: [plan, forged], 1: [plan]}, returncodes={1: -9},
+                             error=None, status="failed")
+    job = JobRecords(result, 3)
+    first, killed, silent = job.ranks("a")
+    assert (first["rank"], first["world"], first["run_dir"]) == (0, 3, tmp_path)
+    assert (killed["rank"], killed["world"], killed["peer_lost"]) == (1, 3, True)
+    assert (silent["rank"], silent["world"], silent["ended"]) == (2, 3, True)
+    assert [(rec["world"], rec["error"].startswith("not run")) for rec in job.ranks("b")] == [(3, True)]
 
 
 # --- real grading runs ----------------------------------------------------------------------------

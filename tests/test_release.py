@@ -135,7 +135,7 @@ def test_the_release_ships_the_course_and_says_what_it_left_out(release):
     for entry in ("gpucourse/cli.py", "gpucourse/release.py", "tests/graders/conftest.py", "tests/graders/jobkit.py",
                   "tests/__init__.py", "README.md", "pyproject.toml", "Makefile", "environment.yml", "data/macbeth.txt",
                   f"exercises/{FAST}.py", f"tests/graders/test_{FAST}.py", "notebooks/04_large_batch.ipynb",
-                  "scripts/04_large_batch.py"):
+                  "scripts/04_large_batch.py", "tests/graders/ex09_model.py"):  # ex09's grader trains its own model
         assert (release / entry).is_file(), entry
     assert (release / f"exercises/{FAST}.py").read_text() == (ROOT / f"exercises/{FAST}.py").read_text()
     assert not [p for p in release.rglob("*") if p.name == "__pycache__" or p.suffix == ".pyc"]
@@ -245,3 +245,41 @@ def test_class_grading_in_the_release(release, tmp_path):
     for learner in rows:
         details = json.loads((tmp_path / "grades-details" / f"{learner}.json").read_text())
         assert details["problems"] == [] and details["files"] == {FAST: str(subs / learner / f"{FAST}.py")}
+
+
+# A class body in the learner's ex09 file, run wherever the file is executed: it leaves a marker named after where it
+# ran (a rank: torchrun sets LOCAL_RANK; else the grader process), and, in the grader process, doubles every loss
+# torch computes there, which would put the grader's one-process reference off and cost a right submission points.
+EX09 = "ex09_fix_2d"
+CLASS_BODY_ATTACK = """\
+    import os as _os, pathlib as _pathlib, torch as _torch
+    _where = "rank" if "LOCAL_RANK" in _os.environ else "grader"
+    (_pathlib.Path({marks!r}) / f"{{_where}}-{{_os.getpid()}}").touch()
+    if _where == "grader":
+        _torch.nn.functional.cross_entropy = lambda *a, _ce=_torch.nn.functional.cross_entropy, **k: 2 * _ce(*a, **k)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_learners_ex09_file_never_runs_in_the_grader_process(release, tmp_path):
+    """In a release (no solutions/), ex09's grader trains its reference with its own model (ex09_model.py), not
+    with the class definitions of exercises/ex09_fix_2d.py: a right submission whose class body attacks the grader
+    process gets full marks, and that class body ran in every rank and never in the grader process."""
+    course, marks = tmp_path / "course", tmp_path / "marks"
+    shutil.copytree(release, course)  # the shared release stays as built: this one gets the solution
+    marks.mkdir()
+    source = SOLUTIONS[EX09].read_text()
+    head = "class TinyLM(nn.Module):\n"
+    assert source.count(head) == 1, f"solutions/{EX09}.py: the class this test attacks moved"
+    (course / "exercises" / f"{EX09}.py").write_text(
+        source.replace(head, head + CLASS_BODY_ATTACK.format(marks=str(marks))))
+    out = tmp_path / "grade.json"
+    done = release_cli(course, tmp_path, "grade", "ex09", "--json", out, timeout=600)  # the default target: exercises/
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["files"] == {EX09: str(course / "exercises" / f"{EX09}.py")} and report["problems"] == []
+    where = sorted(p.name.split("-")[0] for p in marks.iterdir())
+    assert "grader" not in where, f"the learner's class body ran in the grader process: {where}"
+    assert where == ["rank"] * (4 + 2 + 2), where  # it did run: once in each rank of the 2x2, 2x1 and 1x2 meshes
+    assert report["max_score"] > 0 and report["score"] == report["max_score"], done.stdout

@@ -16,28 +16,24 @@ Cases:
          each forward of the model was fed, each step's returned loss, and the final parameters.
 
 The rank judges nothing. The grader process trains one process on the whole batch (`reference`: the course's
-TinyLM, which the exercise gives and does not grade: `course_model`; no process group) and compares the
-parameters (`compare`) and losses; it finds which rows of the global batch each forward was fed (`rows_of`).
+TinyLM, which the exercise gives and does not grade, from the graders' own copy ex09_model.py, never from the
+learner's file: `course_model`; no process group) and compares the parameters (`compare`) and losses; it finds
+which rows of the global batch each forward was fed (`rows_of`).
 What the submission does is watched (comm_recorder, capped output); a case that runs past --case-limit (a
 collective some ranks never call) is reported and ends the rank.
 """
-import ast
-import functools
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+import ex09_model  # beside this script: the model the exercise gives, the grader's own copy
 import jobkit  # beside this script: what every grading job shares
 from gpucourse import runtime
 
 VOCAB, SEED, BATCH, CONTEXT, STEPS, LR = 32, 5, 8, 8, 3, 0.2
 FUNCTIONS = ("build_model", "train_step", "TinyLM")
-COURSE = Path(__file__).resolve().parents[2]  # the checkout (or the learners' release) this grader belongs to
-MODEL_CLASSES = ("Block", "TinyLM")  # what the exercise gives and does not grade: the one process trains these
 
 
 # --- the inputs: the same in every rank and in the grader process ------------------------------------
@@ -56,24 +52,12 @@ def optimizer(model) -> torch.optim.Optimizer:
 
 
 # --- the reference and the comparisons: the grader process's, never a rank's --------------------------
-def course_model():
+def course_model() -> type:
     """The TinyLM class the course gives (the exercise's model: it is not what is graded), for the one-process
-    reference: solutions/ex09_fix_2d.py's, or, in a learners' release (no solutions/), the exercise file's.
-    Only its imports and the MODEL_CLASSES definitions are run, in a namespace of their own: none of the file's
-    other code (a submission's module-level code, its train_step) ever runs in the grader process."""
-    found = [path for path in (COURSE / "solutions" / "ex09_fix_2d.py", COURSE / "exercises" / "ex09_fix_2d.py")
-             if path.is_file()]
-    if not found:
-        raise FileNotFoundError(f"ex09's grader trains the course's TinyLM, from solutions/ or exercises/"
-                                f"ex09_fix_2d.py under {COURSE}, and finds neither: restore exercises/ex09_fix_2d.py")
-    tree = ast.parse(found[0].read_text(), str(found[0]))
-    keep = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
-            or isinstance(node, ast.ClassDef) and node.name in MODEL_CLASSES]
-    namespace: dict = {"__name__": "_ex09_course_model"}
-    exec(compile(ast.Module(body=keep, type_ignores=[]), str(found[0]), "exec"), namespace)  # noqa: S102
-    if not isinstance(namespace.get("TinyLM"), type):
-        raise AttributeError(f"{found[0]} defines no class TinyLM: restore the course's (the exercise gives it)")
-    return namespace["TinyLM"]
+    reference: the graders' own copy (ex09_model.py), so that nothing of the learner's file (its class bodies, its
+    module-level code) ever runs in the grader process, in the checkout or in a release (which has no solutions/).
+    tests/test_ex09_model.py keeps the copy and the solution's classes the same model."""
+    return ex09_model.TinyLM
 
 
 def reference(model_class) -> dict:

@@ -68,6 +68,9 @@ def job_module(job_file: Path):
 
 
 class JobRecords:
+    """One job's records, {case: {rank: record}}. Every record carries the grader's own facts, whatever the rank
+    wrote: its run_dir and rank (from the file it was read from) and world, the job's world size as launched."""
+
     def __init__(self, result, world: int, label: str | None = None):
         self.result, self.world = result, world
         self.label = label or f"{world} rank(s)"  # how a failure names the job
@@ -75,8 +78,8 @@ class JobRecords:
         for rank, records in result.metrics.items():
             for rec in records:
                 if "case" in rec:
-                    # The grader's own facts, whatever the rank wrote: raw() reads there
-                    rec["run_dir"], rec["rank"] = result.run_dir, rank
+                    # The grader's own facts, whatever the rank wrote: raw() reads there, the tests read the world size
+                    rec["run_dir"], rec["rank"], rec["world"] = result.run_dir, rank, world
                     self.records.setdefault(rec["case"], {})[rank] = rec
         plans = self.records.get("plan", {})
         self.plan: dict[str, str] = next(iter(plans.values()))["cases"] if plans else {}
@@ -99,16 +102,18 @@ class JobRecords:
         """Every rank's record of `case`. When some ranks have one and others not, those ended during it."""
         got = self.records.get(case, {})
         if not got:
-            return [{"case": case, "rank": 0, "error": f"not run: {self.why_stopped()}"}]
+            return [{"case": case, "rank": 0, "world": self.world, "error": f"not run: {self.why_stopped()}"}]
         return [got.get(r) or self._silent(case, r) for r in range(self.world)]
 
     def _silent(self, case: str, rank: int) -> dict:
         """A rank that left no record of a case others reached: it ended by itself, or was stopped."""
         code = self.result.returncodes.get(rank)
         if code in (-9, -15):  # SIGKILL/SIGTERM: torchrun shutting the job down after another rank failed
-            return {"case": case, "rank": rank, "peer_lost": True, "error": "stopped when another rank failed"}
+            return {"case": case, "rank": rank, "world": self.world, "peer_lost": True,
+                    "error": "stopped when another rank failed"}
         how = f"exit code {code}" if code is not None else "os._exit? a crash?"
-        return {"case": case, "rank": rank, "ended": True, "error": f"the process ended during this case ({how})"}
+        return {"case": case, "rank": rank, "world": self.world, "ended": True,
+                "error": f"the process ended during this case ({how})"}
 
 
 def launch_jobs(job_file, submission, world_sizes, *, name: str, case_limit: float, timeout: float,

@@ -3,7 +3,7 @@
 Three real jobs side by side (ex09_job.py through gpucourse.launch), on a 2x2 mesh (4 ranks), a 2x1 mesh (data
 parallel only) and a 1x2 mesh (tensor parallel only). The ranks save what the submission produced, raw (its
 parameters, what its model was fed); graded here, in the grader process, by equality with one process training the
-course's TinyLM on the whole global batch, from the job's own batches and seed:
+course's TinyLM (the graders' copy, ex09_model.py) on the whole global batch, from the job's own batches and seed:
 - build_model starts every rank from the one process's weights, whatever its random state before;
 - the ranks of a tp group train on the same rows, and dp group g on rows g*B/dp ... (g+1)*B/dp;
 - each step's returned loss and the final parameters equal the one process's, on every mesh.
@@ -29,8 +29,8 @@ BATCH = CASES.BATCH  # the global batch's rows
 
 @functools.lru_cache(maxsize=None)
 def reference() -> dict:
-    """One process training the course's TinyLM (CASES.course_model: never the submission's code) on the whole
-    batch: initial parameters, losses, final ones."""
+    """One process training the course's TinyLM (CASES.course_model: the graders' own copy, ex09_model.py, never
+    the learner's file) on the whole batch: initial parameters, losses, final ones."""
     return CASES.reference(CASES.course_model())
 
 

@@ -23,6 +23,7 @@ What is checked:
   on its own group, with peers in that group (the recorder places each call: the process group it ran on, as
   global ranks, and each send's and receive's global peer).
 """
+import functools
 from pathlib import Path
 
 import pytest
@@ -144,9 +145,21 @@ def p2p_problem(rec) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def shard_bytes(case: str, world: int) -> int:
+    """The bytes of one rank's shard of q (k's and v's are as large) in `case` on `world` ranks: the job's whole q,
+    from its own inputs, over `world`. The limits scale with it, never with a size the rank reports (that of its
+    own shard_sequence's shard, which a wrong layout makes larger)."""
+    c = CASES.attention_cases()[case]
+    q = CASES.full_inputs(world, c["seed"], c["dtype"], c.get("scale", 1.0))[0]
+    return q.numel() * q.element_size() // world
+
+
 def bytes_problem(rec) -> str | None:
-    n, kv = rec["world"], 2 * rec["shard_bytes"]
-    limits = {phase: costs.context_parallel_bytes("ring", rec["shard_bytes"], n, backward=phase == "backward")
+    n = rec["world"]
+    shard = shard_bytes(rec["case"], n)
+    kv = 2 * shard
+    limits = {phase: costs.context_parallel_bytes("ring", shard, n, backward=phase == "backward")
               for phase in ("forward", "backward")}
     formulas = {"forward": "(N-1) × kv", "backward": "(N-1) × kv for K/V + N × kv for dK/dV (0 on one rank)"}
     for phase, limit in limits.items():
@@ -160,7 +173,7 @@ def bytes_problem(rec) -> str | None:
 
 
 def saved_problem(rec) -> str | None:
-    saved, shard = rec["saved_bytes"], rec["shard_bytes"]
+    saved, shard = rec["saved_bytes"], shard_bytes(rec["case"], rec["world"])
     if saved is None:
         return output_problem(rec) or "the forward returned no tensor"
     if saved > shard:

@@ -163,7 +163,7 @@ def collectives_problem(rec) -> str | None:
 
 def bytes_problem(rec) -> str | None:
     """The tokens' all-to-alls move exactly the kept rows, as costs.expert_parallel_all_to_all_bytes predicts."""
-    n, row = rec["n"], CASES.HIDDEN * 4  # float32 rows
+    n, row = rec["world"], CASES.HIDDEN * 4  # the job's world size (JobRecords'), float32 rows
     want = CASES.expected(rec["case"], n)[rec["rank"]]  # the single-process layer: which rows are kept, arrive
     tokens, kept, received = want["tokens"], int(want["kept"].sum()), want["arrived_tokens"].shape[0]
     formula = costs.expert_parallel_all_to_all_bytes(tokens, 2, row // 4, n, bytes_per_value=4,

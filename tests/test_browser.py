@@ -648,3 +648,77 @@ def test_scaling_simulator_follows_its_sliders(lab, browser):
         assert_fits(box)
         state, before = new_state, after
     save_shot(box, "after-moving-every-slider")
+
+
+MANY = Path(__file__).resolve().parent / "browser_jobs" / "many.py"
+# (name, nproc, args): chapter 03's scaling loop in small, with a chatty run and a failing one among the quiet ones.
+MANY_LAUNCHES = [("many-quiet-profiled", 2, ["--profile"]), ("many-talks", 2, ["--say"]),
+                 ("many-quiet-one", 1, []), ("many-fails", 2, ["--say", "--fail-rank", "1"]),
+                 ("many-quiet-two", 2, [])]
+# JS: the text of every live pane on the page, shown or not (textContent: hidden tabs count).
+ALL_PANES_TEXT = "() => Array.from(document.querySelectorAll('.widget-output')).map(el => el.textContent)"
+
+
+def test_many_launches_in_one_cell(lab, browser):
+    """Issue 19: a cell that launches run after run (chapter 03's scaling loop). Runs whose ranks printed nothing
+    collapse to their one-line status; runs with output keep their panes; the failing run does not stop the loop
+    (check=False) and its view opens on the failing rank, whose pane shows the line it printed before its
+    traceback (time order, not stderr first); no profiler noise in any pane, nothing cut."""
+    script = lab.scripts / MANY.name
+    shutil.copy(MANY, script)
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "gpucourse", "display_name": "Python (gpucourse)",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell("import gpucourse"),
+                nbformat.v4.new_code_cell("launches = [\n" + "".join(f"    {launch!r},\n" for launch in MANY_LAUNCHES)
+                                          + f"]\nscript = {str(script)!r}\nresults = []\n"
+                                          "for name, nproc, args in launches:  # check=False: a failure stops nothing\n"
+                                          "    results.append(gpucourse.launch(script, nproc=nproc, args=args, name=name,\n"
+                                          "                                    timeout=120, check=False))")]
+    nbformat.write(nb, lab.root / "many.ipynb")
+    page = open_notebook(browser, lab, "many.ipynb")
+    run_all(page)
+    wait_all_ran(page, "many.ipynb")
+
+    # The loop went on past the failure: every launch ran and has its view.
+    cell = page.locator(".jp-Cell").nth(1)
+    scroll_to(cell)
+    statuses = kernel_eval(page, "many.ipynb", "print([r.status for r in results])").strip()
+    assert statuses == "['ok', 'ok', 'ok', 'failed', 'ok']", statuses
+    views = {name: scroll_to(launch_view(page, f"{name}-")) for name, _, _ in MANY_LAUNCHES}
+
+    for name in ("many-quiet-profiled", "many-quiet-one", "many-quiet-two"):
+        view = views[name]
+        assert status_line(view).startswith("finished"), status_line(view)
+        # Collapsed: the status line alone, no tabs, no pane, no bar (whose count moved into the line).
+        assert view.locator(".widget-tab, .widget-output, .widget-hprogress").count() == 0, name
+        assert "\n" not in view.inner_text().strip(), view.inner_text()
+        assert "3/3 steps" in status_line(view), status_line(view)
+
+    talks = views["many-talks"]
+    assert status_line(talks).startswith("finished") and bar_style(talks) == "success"
+    assert tab_titles(talks) == ["all ranks", "rank 0", "rank 1"]
+    everyone = shown_pane(talks).inner_text()
+    assert "[rank 0] rank 0 step 2 sum 5" in everyone and "[rank 1] rank 1 step 2 sum 5" in everyone, everyone
+
+    fails = views["many-fails"]
+    assert status_line(fails).startswith("failed") and bar_style(fails) == "danger"
+    assert fails.locator(".lm-TabBar-tab.lm-mod-current").inner_text() == "rank 1"
+    rank1 = shown_pane(fails).inner_text()  # the tab it opened on
+    assert "ValueError: deliberate failure on rank 1" in rank1, rank1
+    printed_line, traceback = rank1.find("rank 1 printed this before failing"), rank1.find("Traceback")
+    assert 0 <= printed_line < traceback, f"the line rank 1 printed is not before its traceback:\n{rank1}"
+    assert 0 <= rank1.find("rank 1 step 2 sum 5") < printed_line, rank1
+
+    # The profiler did print its noise (into the rank logs), and none of it reached a pane, hidden tabs included.
+    [profiled] = [d for d in lab.run_dirs() if d.name.startswith("many-quiet-profiled-")]
+    logged = "".join(p.read_text(errors="replace") for p in profiled.rglob("rank*.std*"))
+    assert "USDT" in logged, "the profiled run printed no Kineto USDT line: this test no longer shows them filtered"
+    panes = page.evaluate(ALL_PANES_TEXT)
+    assert len(panes) == 3 + 3, panes  # all ranks + one per rank, for the two runs that printed
+    assert not [text for text in panes if "USDT" in text], panes
+    print(f"profiled run's logs hold {logged.count('USDT')} USDT line(s), the page none")
+
+    for name, view in views.items():
+        assert_fits(view)
+    save_shot(cell, "cell")
+    assert_nothing_running(lab)

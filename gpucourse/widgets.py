@@ -88,6 +88,11 @@ def _check_positive(value, name, hint):
         raise ValueError(f"{name} must be a positive number ({hint}), got {value!r}")
 
 
+def efficiency_text(efficiency: float) -> str:
+    """An efficiency as a learner reads it: whole percent, but never "0 %" for a small non-zero value (0.4 %)."""
+    return f"{100 * efficiency:.0f} %" if efficiency >= 0.01 or efficiency == 0 else f"{100 * efficiency:.1g} %"
+
+
 def simulation_plot(curves: dict, *, title: str = "", measured: dict | None = None):
     """Throughput and efficiency against world size for each {label: simulate() rows}. Each curve's turning
     point (first communication-bound N) is a vertical dotted line, and named in the legend.
@@ -374,7 +379,7 @@ class ScalingSimulator:
         return (f"<b>Modelled</b>: {turn}. At N = {last['world_size']}: step {_time(last['step_s'])} "
                 f"(compute {_time(last['compute_s'])} + exposed comm {_time(last['exposed_s'])}{penalty}; "
                 f"all-reduce {_time(last['comm_s'])} in {last['buckets']} bucket(s)), "
-                f"efficiency <b>{100 * last['efficiency']:.0f} %</b>, {last['throughput']:.3g} samples/s.")
+                f"efficiency <b>{efficiency_text(last['efficiency'])}</b>, {last['throughput']:.3g} samples/s.")
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)

@@ -206,6 +206,24 @@ def browser(monkeypatch):
             chromium.close()
 
 
+def write_notebook(lab: Lab, name: str, cells: list) -> None:
+    """A notebook of `cells` in the lab's folder, on the course's kernel (the lab fixture registers it)."""
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "gpucourse", "display_name": "Python (gpucourse)",
+                                                           "language": "python"}})
+    nb.cells = cells
+    nbformat.write(nb, lab.root / name)
+
+
+def drawn_widget(page):
+    """The page's first widget output, scrolled on screen, with its plots decoded."""
+    box = page.locator(".jp-OutputArea-output .widget-vbox").first
+    box.locator("img").first.wait_for(timeout=60_000)
+    scroll_to(box)
+    page.wait_for_function("box => Array.from(box.querySelectorAll('img')).every(i => i.complete)",
+                           arg=box.element_handle())
+    return box
+
+
 def open_notebook(browser, lab: Lab, name: str):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(30_000)
@@ -326,11 +344,9 @@ def test_chapter_00_shows_a_live_view_per_launch(lab, browser):
 def test_interrupt_button_stops_the_launch(lab, browser):
     script = lab.scripts / FOREVER.name
     shutil.copy(FOREVER, script)
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                           "language": "python"}})
-    nb.cells = [nbformat.v4.new_code_cell("import gpucourse"),
+    cells = [nbformat.v4.new_code_cell("import gpucourse"),
                 nbformat.v4.new_code_cell(f"gpucourse.launch({str(script)!r}, nproc=2, name='forever', timeout=90)")]
-    nbformat.write(nb, lab.root / "interrupt.ipynb")
+    write_notebook(lab, "interrupt.ipynb", cells)
 
     page = open_notebook(browser, lab, "interrupt.ipynb")
     run_all(page)
@@ -361,17 +377,15 @@ def test_widgets_show_the_values_they_were_given(lab, browser):
     snapped one back to the kernel (7.5e9 parameters became 7.94e9, 8.8 ms became 7.94 ms)."""
     from gpucourse.memory import memory_calculator
 
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                           "language": "python"}})
-    nb.cells = [nbformat.v4.new_code_cell("from gpucourse.memory import memory_calculator\n"
-                                          "memory_calculator(num_params=7.5e9, world_size=64)"),
+    cells = [nbformat.v4.new_code_cell("from gpucourse.memory import memory_calculator\n"
+                                       "memory_calculator(num_params=7.5e9, world_size=64)"),
                 nbformat.v4.new_code_cell("from gpucourse.widgets import scaling_simulator\n"
-                                          "scaling_simulator({'compute_s': 0.0088, 'grad_bytes': 4 * 7.5e9,\n"
-                                          "                   'alpha': 3e-4, 'beta': 2e-9, 'bucket_mb': 3.3})"),
+                                       "scaling_simulator({'compute_s': 0.0088, 'grad_bytes': 4 * 7.5e9,\n"
+                                       "                   'alpha': 3e-4, 'beta': 2e-9, 'bucket_mb': 3.3})"),
                 nbformat.v4.new_code_cell("from gpucourse.quiz import QuickCheck\n"
-                                          "QuickCheck('Which option?', ['this one', 'that one'], 1, 'ANSWER-TEXT')",
-                                          metadata={"jupyter": {"source_hidden": True}})]  # as the chapters store it
-    nbformat.write(nb, lab.root / "widgets.ipynb")
+                                       "QuickCheck('Which option?', ['this one', 'that one'], 1, 'ANSWER-TEXT')",
+                                       metadata={"jupyter": {"source_hidden": True}})]  # as the chapters store it
+    write_notebook(lab, "widgets.ipynb", cells)
     page = open_notebook(browser, lab, "widgets.ipynb")
     run_all(page)
     wait_all_ran(page, "widgets.ipynb")
@@ -420,19 +434,13 @@ IMAGE_FIT = """box => Array.from(box.querySelectorAll('img')).map(img =>
 def test_memory_calculator_fits_its_box(lab, browser):
     """Chapter 07's calculator as rendered: no dropdown label cut ('Adam / AdamW (m,', 'bf16/fp16 + fp32 ma'),
     the plot drawn at its own size. (The title and legend inside the plot are checked in test_memory.py.)"""
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                           "language": "python"}})
-    nb.cells = [nbformat.v4.new_code_cell("from gpucourse.memory import memory_calculator\n"
-                                          "memory_calculator(num_params=7.5e9, world_size=64)")]
-    nbformat.write(nb, lab.root / "calculator.ipynb")
+    cells = [nbformat.v4.new_code_cell("from gpucourse.memory import memory_calculator\n"
+                                       "memory_calculator(num_params=7.5e9, world_size=64)")]
+    write_notebook(lab, "calculator.ipynb", cells)
     page = open_notebook(browser, lab, "calculator.ipynb")
     run_all(page)
     wait_all_ran(page, "calculator.ipynb")
-    box = page.locator(".jp-OutputArea-output .widget-vbox").first
-    box.locator("img").wait_for(timeout=60_000)
-    scroll_to(box)
-    page.wait_for_function("box => Array.from(box.querySelectorAll('img')).every(i => i.complete)",
-                           arg=box.element_handle())
+    box = drawn_widget(page)
     save_shot(box, "calculator")
 
     selects, images = box.evaluate(SELECT_FIT), box.evaluate(IMAGE_FIT)
@@ -454,22 +462,16 @@ def assert_fits(box) -> None:
 
 def test_run_explorer_shows_a_profiled_run(lab, browser):
     """Chapter 03's run explorer on a real profiled job: the run listed, its timeline drawn, nothing cut."""
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "gpucourse", "display_name": "Python (gpucourse)",
-                                                           "language": "python"}})
     worker = Path(__file__).resolve().parent / "jobs" / "worker.py"
-    nb.cells = [nbformat.v4.new_code_cell(f"import gpucourse\nfrom gpucourse.widgets import run_explorer\n"
-                                          f"gpucourse.launch({str(worker)!r}, nproc=2, args=['--steps', '4', "
-                                          f"'--profile'], name='explored', live=False)"),
+    cells = [nbformat.v4.new_code_cell(f"import gpucourse\nfrom gpucourse.widgets import run_explorer\n"
+                                       f"gpucourse.launch({str(worker)!r}, nproc=2, args=['--steps', '4', "
+                                       f"'--profile'], name='explored', live=False)"),
                 nbformat.v4.new_code_cell("run_explorer()")]
-    nbformat.write(nb, lab.root / "explorer.ipynb")
+    write_notebook(lab, "explorer.ipynb", cells)
     page = open_notebook(browser, lab, "explorer.ipynb")
     run_all(page)
     wait_all_ran(page, "explorer.ipynb")
-    box = page.locator(".jp-OutputArea-output .widget-vbox").first
-    box.locator("img").first.wait_for(timeout=60_000)
-    scroll_to(box)
-    page.wait_for_function("box => Array.from(box.querySelectorAll('img')).every(i => i.complete)",
-                           arg=box.element_handle())
+    box = drawn_widget(page)
     chosen = box.locator("select").evaluate("sel => sel.options[sel.selectedIndex].text")
     assert chosen.startswith("explored"), chosen
     assert box.locator("img").count() == 2  # the timeline and the breakdown
@@ -502,12 +504,10 @@ def test_status_stays_busy_while_a_launch_runs(lab, browser):
     the learner's view of it sampled every 200 ms: while the cell's prompt says [*], nothing says Idle."""
     script = lab.scripts / FOREVER.name
     shutil.copy(FOREVER, script)
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "gpucourse", "display_name": "Python (gpucourse)",
-                                                           "language": "python"}})
-    nb.cells = [nbformat.v4.new_code_cell("import gpucourse"),
+    cells = [nbformat.v4.new_code_cell("import gpucourse"),
                 nbformat.v4.new_code_cell(f"gpucourse.launch({str(script)!r}, nproc=2, name='busy', timeout=20, "
-                                          "check=False)")]
-    nbformat.write(nb, lab.root / "busy.ipynb")
+                                       "check=False)")]
+    write_notebook(lab, "busy.ipynb", cells)
     page = open_notebook(browser, lab, "busy.ipynb")
     page.evaluate(WATCH_STATUS, ["busy.ipynb", 1])
     run_all(page)
@@ -570,17 +570,13 @@ def test_scaling_simulator_follows_its_sliders(lab, browser):
     """Chapter 03's simulator as a learner uses it: it starts at the values it was given (no snapping), and each
     slider moved from the keyboard changes the kernel's value, redraws the plot, and makes the summary say what
     gpucourse.costs says for the new values. Nothing in it is cut."""
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "gpucourse", "display_name": "Python (gpucourse)",
-                                                           "language": "python"}})
-    nb.cells = [nbformat.v4.new_code_cell(f"from gpucourse.widgets import scaling_simulator\n"
-                                          f"sim = scaling_simulator({SIMULATOR_GIVEN!r})\nsim")]
-    nbformat.write(nb, lab.root / "simulator.ipynb")
+    cells = [nbformat.v4.new_code_cell(f"from gpucourse.widgets import scaling_simulator\n"
+                                       f"sim = scaling_simulator({SIMULATOR_GIVEN!r})\nsim")]
+    write_notebook(lab, "simulator.ipynb", cells)
     page = open_notebook(browser, lab, "simulator.ipynb")
     run_all(page)
     wait_all_ran(page, "simulator.ipynb")
-    box = page.locator(".jp-OutputArea-output .widget-vbox").first
-    box.locator("img").wait_for(timeout=60_000)
-    scroll_to(box)
+    box = drawn_widget(page)
     summary = box.locator(".widget-html-content").last
 
     assert box.locator("img").count() == 1, "the plot is shown more than once"
@@ -666,15 +662,13 @@ def test_many_launches_in_one_cell(lab, browser):
     traceback (time order, not stderr first); no profiler noise in any pane, nothing cut."""
     script = lab.scripts / MANY.name
     shutil.copy(MANY, script)
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "gpucourse", "display_name": "Python (gpucourse)",
-                                                           "language": "python"}})
-    nb.cells = [nbformat.v4.new_code_cell("import gpucourse"),
+    cells = [nbformat.v4.new_code_cell("import gpucourse"),
                 nbformat.v4.new_code_cell("launches = [\n" + "".join(f"    {launch!r},\n" for launch in MANY_LAUNCHES)
-                                          + f"]\nscript = {str(script)!r}\nresults = []\n"
-                                          "for name, nproc, args in launches:  # check=False: a failure stops nothing\n"
-                                          "    results.append(gpucourse.launch(script, nproc=nproc, args=args, name=name,\n"
-                                          "                                    timeout=120, check=False))")]
-    nbformat.write(nb, lab.root / "many.ipynb")
+                                       + f"]\nscript = {str(script)!r}\nresults = []\n"
+                                       "for name, nproc, args in launches:  # check=False: a failure stops nothing\n"
+                                       "    results.append(gpucourse.launch(script, nproc=nproc, args=args, name=name,\n"
+                                       "                                    timeout=120, check=False))")]
+    write_notebook(lab, "many.ipynb", cells)
     page = open_notebook(browser, lab, "many.ipynb")
     run_all(page)
     wait_all_ran(page, "many.ipynb")

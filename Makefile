@@ -44,7 +44,7 @@ lab: kernel $(LAB_OVERRIDES) $(SERVER_CONFIG)
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -rs $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -rfEs $(PYTEST_ARGS)
 
 # Every chapter run to the end in JupyterLab in headless Chromium, checked as drawn (tests/test_browser_chapters.py);
 # screenshots in $$GPUCOURSE_BROWSER_SHOTS or runs/browser-shots. Too long for `make test`: 35-50 min on a loaded 2-core machine.

@@ -381,9 +381,9 @@ def ddp_step_from_bucket_times(compute_s, bucket_times, *, overlap=True, backwar
     bucket_times: the seconds each bucket's all-reduce took, measured apart from compute, in the order DDP
     sends them (the last one is the bucket backward finishes last: the first layers'). The overlap rule is
     ddp_step_time's, the same function: only where the communication time comes from differs. Use it when
-    an alpha-beta line does not fit your collective at the sizes your buckets have (gloo on CPU: chapter
-    03 measured 1 MiB all-reduces 1.5-1.8x slower than a line fitted from 4 KiB to 16 MiB said); use
-    ddp_step_time to extrapolate.
+    an alpha-beta line does not fit your collective at the sizes your buckets have (gloo on CPU: in six runs
+    of chapter 03, 1 MiB all-reduces timed alone took 1.3x to 4x what a line fitted from 4 KiB to 16 MiB
+    said, the line itself moving from run to run); use ddp_step_time to extrapolate.
     """
     _check_nonneg(compute_s, "compute_s")
     times = [float(t) for t in bucket_times]

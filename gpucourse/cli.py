@@ -13,7 +13,7 @@ from pathlib import Path
 
 EXIT_CODES = {"ok": 0, "failed": 1, "timeout": 124, "stalled": 124, "interrupted": 130}
 # Modules that add their own subcommands with add_cli(subparsers), kept out of this file.
-PLUGINS = ("gpucourse.grading", "gpucourse.course", "gpucourse.slurm", "gpucourse.release", "gpucourse.gpu_check")
+PLUGINS = ("gpucourse.grading.runner", "gpucourse.course", "gpucourse.slurm", "gpucourse.release", "gpucourse.gpu_check")
 
 
 def _launch(args) -> int:

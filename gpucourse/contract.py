@@ -25,8 +25,8 @@ Run directory:
                                         {"event": "setup"} and {"event": "teardown"} (all attempts
                                         append to the same file)
     traces/<name><r>.json               chrome traces from runtime.profile(name=...) (default "rank")
-    raw/rank<r>/<case>.pt               grading jobs only: the tensors a case produced on rank r, saved
-                                        raw (torch.save of a dict) for the grader process to check itself
+    raw/rank<r>/<sub>/<case>.pt         grading jobs only: the tensors a case produced on rank r for submission
+                                        number <sub>, saved raw (torch.save of a dict) for the grader to check
 The `-node<k>` suffix appears only when one launch starts several agents (nnodes > 1).
 
 Exit file (JSON, written atomically by the agent when torchrun returns):
@@ -48,6 +48,9 @@ RUN_DIR_ENV = "GPUCOURSE_RUN_DIR"
 BACKEND_ENV = "GPUCOURSE_BACKEND"
 DEVICE_ENV = "GPUCOURSE_DEVICE"
 SCRIPT_ARGS_ENV = "GPUCOURSE_SCRIPT_ARGS"
+# runtime.setup() makes its process group on this key prefix of the job's store: a grading job's rank forks one
+# process per submission, each with a process group of its own, one after the other (grading/jobkit.py).
+STORE_PREFIX_ENV = "GPUCOURSE_STORE_PREFIX"
 
 MANIFEST = "manifest.json"
 RAW_DIR = "raw"
@@ -138,11 +141,11 @@ def metrics_files(run_dir: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def raw_file(run_dir: Path, rank: int, case: str) -> Path:
-    """Where a grading job saves one case's raw results on one rank (case names are the graders' own)."""
+def raw_file(run_dir: Path, rank: int, case: str, sub: int = 0) -> Path:
+    """Where a grading job saves one case's raw results on one rank for its submission number `sub`."""
     if not re.fullmatch(r"[\w.+=-]+", case):
         raise ValueError(f"case name {case!r} cannot be a file name: use letters, digits and . + = - _")
-    return Path(run_dir) / RAW_DIR / f"rank{rank}" / f"{case}.pt"
+    return Path(run_dir) / RAW_DIR / f"rank{rank}" / str(int(sub)) / f"{case}.pt"
 
 
 def traces_dir(run_dir: Path) -> Path:

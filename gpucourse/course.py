@@ -181,7 +181,7 @@ CHECK_MARK = "NBVAL_CHECK_OUTPUT"
 def expected_outputs_file(path: Path) -> Path:
     """Where the outputs nbval compares a notebook's checked cells against are kept (not in the notebook,
     which is stored stripped)."""
-    return path.parent.parent / "tests" / "notebook_outputs" / f"{path.stem}.json"
+    return path.parent / "checked_outputs" / f"{path.stem}.json"
 
 
 def checked_cell_outputs(executed: Path) -> dict:

@@ -22,7 +22,7 @@ and one space, relative to the fence's):
 
 becomes `rows = slice(rank * per_rank, (rank + 1) * per_rank)` in the exercise, unmarked: finding it is the task.
 
-Exercises are discovered by scanning `solutions/ex*.py` and `tests/graders/test_ex*.py`: a new
+Exercises are discovered by scanning `solutions/ex*.py` and `gpucourse/grading/graders/test_ex*.py`: a new
 chapter adds its files and needs no change here.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ BEGIN, END, HINT, BUGGY = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:",
 DEFAULT_HINT = "write this part of the exercise (see the docstring)"
 NAME_RE = re.compile(r"^ex(\d{2})_\w+$")
 KEYWORD_TARGETS = ("exercises", "solutions")
-REQUIRED_NAMES = "required_names.json"  # in tests/graders/ of a student release: {exercise: [names]}
+REQUIRED_NAMES = "required_names.json"  # beside the graders in a student release: {exercise: [names]}
 NO_SOLUTIONS = "solutions are not part of this release (made by `gpucourse release`)"
 
 
@@ -48,7 +48,7 @@ class ExerciseError(ValueError):
 
 # --- where things are ------------------------------------------------------------------------------
 def course_root() -> Path:
-    """The checkout holding solutions/, exercises/ and tests/graders/ (the current folder for a plain install)."""
+    """The checkout holding solutions/ and exercises/ (the current folder for a plain install)."""
     return project_root() or Path.cwd().resolve()
 
 
@@ -61,7 +61,8 @@ def exercises_dir() -> Path:
 
 
 def graders_dir() -> Path:
-    return course_root() / "tests" / "graders"
+    """The graders ship inside the package: gpucourse/grading/graders/."""
+    return Path(__file__).resolve().parent / "grading" / "graders"
 
 
 def _named(paths, strip: str = "") -> dict[str, Path]:
@@ -79,7 +80,7 @@ def solution_files(folder: Path | None = None) -> dict[str, Path]:
 
 
 def grader_files() -> dict[str, Path]:
-    """{exercise name: grader file}, from tests/graders/test_exNN_<name>.py."""
+    """{exercise name: grader file}, from gpucourse/grading/graders/test_exNN_<name>.py."""
     return _named(graders_dir().glob("test_ex*.py"), strip="test_")
 
 

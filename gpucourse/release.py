@@ -2,12 +2,12 @@
 
 Why: in the checkout, solutions/ (the single source of the exercises) sits beside exercises/, so learners
 handed the checkout can read the answers, and a submission can load them from disk. A release is what
-learners get instead: the package, exercises/, the graders (tests/graders/), notebooks/, scripts/, data/ and
-the project files — and nothing of solutions/.
+learners get instead: the package (the graders, gpucourse/grading/graders/, included), exercises/, notebooks/,
+scripts/, data/ and the project files — and nothing of solutions/ or tests/.
 
 - Grading works there as in the checkout (`gpucourse grade EX`, `--target`, `--class`). The one thing the
   checkout reads from the solutions, the names a submission must define, ships as
-  tests/graders/required_names.json (names only, no code).
+  gpucourse/grading/graders/required_names.json (names only, no code).
 - Notebooks whose smoke parameters (metadata `gpucourse.smoke`, for CI) point into ../solutions/ point at
   the exercise instead; the scripts and notebooks fall back on a solution only where one exists.
 - Before anything is written, every file of the release is searched for the distinctive lines of every
@@ -25,13 +25,12 @@ from pathlib import Path
 from . import exercises
 from .exercises import BEGIN, END, ExerciseError
 
-# What learners get, relative to the checkout. tests/__init__.py keeps the graders' module names as in the checkout.
-SHIPPED = ("gpucourse", "exercises", "tests/graders", "tests/__init__.py", "notebooks", "scripts", "data",
+# What learners get, relative to the checkout. The graders ship inside the package; the mutants (tests/mutants/:
+# mistakes patched into the solutions, which test the graders themselves) stay home with the rest of tests/.
+SHIPPED = ("gpucourse", "exercises", "notebooks", "scripts", "data",
            "README.md", "pyproject.toml", "Makefile", "environment.yml")
 SKIPPED_DIRS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache"}
-# Folders shipped without their subfolders: the graders are flat files; tests/graders/mutants/ (broken copies of
-# the solutions that test the graders themselves) must stay home.
-FLAT = {"tests/graders"}
+GRADERS = "gpucourse/grading/graders"
 MANIFEST = "RELEASE.txt"
 MIN_LINE_CHARS = 40  # a solution line this long, absent from its exercise, is distinctive (shorter ones are idioms)
 
@@ -51,7 +50,7 @@ def _shipped_files(root: Path) -> dict[str, bytes]:
             continue
         if not path.is_dir():
             raise ReleaseError(f"{path} is missing: a release needs {', '.join(SHIPPED)}")
-        for file in sorted(path.glob("*") if entry in FLAT else path.rglob("*")):
+        for file in sorted(path.rglob("*")):
             rel = file.relative_to(root)
             if (file.is_file() and not file.name.endswith(".pyc")
                     and not any(part in SKIPPED_DIRS or part.startswith(".") for part in rel.parts)):
@@ -127,7 +126,7 @@ def _searchable(rel: str, data: bytes) -> str:
 def find_leaks(files: dict[str, bytes], solutions: dict[str, Path]) -> tuple[list[str], int]:
     """(["path: line of solutions/X.py", ...], how many distinctive lines were looked for).
 
-    A grader states what is expected, so an exercise's own grader (tests/graders/test_<name>.py) is not searched
+    A grader states what is expected, so an exercise's own grader (GRADERS/test_<name>.py) is not searched
     for that exercise's lines: test_ex04's reference restates the formulas the exercise's docstring gives.
     """
     texts = {rel: _searchable(rel, data) for rel, data in files.items()}
@@ -136,7 +135,7 @@ def find_leaks(files: dict[str, bytes], solutions: dict[str, Path]) -> tuple[lis
         exercise = texts.get(f"exercises/{name}.py", "")
         lines = distinctive_lines(path.read_text(), exercise)
         looked_for += len(lines)
-        own_grader = f"tests/graders/test_{name}.py"
+        own_grader = f"{GRADERS}/test_{name}.py"
         for rel, text in texts.items():
             leaks += [f"{rel}: {line!r} (solutions/{path.name})" for line in lines
                       if rel != own_grader and line in text]
@@ -168,10 +167,7 @@ def _left_out(root: Path) -> list[str]:
     top = {Path(entry).parts[0] for entry in SHIPPED}
     out = [f"{p.name}/" if p.is_dir() else p.name for p in sorted(root.iterdir())
            if p.name not in top and p.name != ".git"]
-    tests = [f"tests/{p.name}" for p in sorted((root / "tests").iterdir()) if p.name not in ("graders", "__init__.py")]
-    flat = [f"{entry}/{p.name}/" for entry in sorted(FLAT) for p in sorted((root / entry).iterdir())
-            if p.is_dir() and p.name not in SKIPPED_DIRS]
-    return out + tests + flat
+    return out
 
 
 def _manifest(root: Path, commit: str, dirty: list[str], files: dict[str, bytes], written: list[str],
@@ -193,7 +189,7 @@ def _manifest(root: Path, commit: str, dirty: list[str], files: dict[str, bytes]
     lines += ["",
               "so, in this release: `gpucourse make-exercises` and `make exercises` refuse (no solutions/ to generate",
               "from), `make bench` has no benchmarks to run, `gpucourse grade EX --target solutions` refuses, and",
-              "`make test` finds only the graders (run them with `gpucourse grade EX`).", "",
+              "`make test` has no tests to run (grade with `gpucourse grade EX`).", "",
               f"checked before writing: no file holds any of the {looked_for} distinctive lines of the solutions",
               f"(fenced solution code of at least {MIN_LINE_CHARS} characters that is not in its exercise).", ""]
     return "\n".join(lines)
@@ -227,11 +223,11 @@ def make_release(dest: str | Path, root: Path | None = None) -> Path:
     dirty = sorted(path for path in (line[3:] for line in status.splitlines() if line.strip())
                    if path in files or any(rel.startswith(path) for rel in files if path.endswith("/")))
     written = [f"{name}: {why}" for name, why in (
-        (f"tests/graders/{exercises.REQUIRED_NAMES}",
+        (f"{GRADERS}/{exercises.REQUIRED_NAMES}",
          "the names each exercise must define (read from the solutions; names only)"),
         ("README.md", "a note at the top saying what this copy is"))]
     required = {name: exercises.public_names(path) for name, path in solutions.items()}
-    files[f"tests/graders/{exercises.REQUIRED_NAMES}"] = (json.dumps(required, indent=1) + "\n").encode()
+    files[f"{GRADERS}/{exercises.REQUIRED_NAMES}"] = (json.dumps(required, indent=1) + "\n").encode()
     files["README.md"] = _readme_note(files["README.md"].decode(), commit).encode()
     written += _point_smoke_at_exercises(files)
 

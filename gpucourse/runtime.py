@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .contract import BACKEND_ENV, DEVICE_ENV, EVENT_SETUP, EVENT_TEARDOWN, RUN_DIR_ENV, metrics_file, trace_file
+from .contract import (BACKEND_ENV, DEVICE_ENV, EVENT_SETUP, EVENT_TEARDOWN, RUN_DIR_ENV, STORE_PREFIX_ENV,
+                       metrics_file, trace_file)
 from .paths import runs_root, slug
 
 
@@ -223,6 +224,10 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
     if os.environ.get("MASTER_PORT") == "0":  # single process without torchrun: no rendezvous needed
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
+    elif os.environ.get(STORE_PREFIX_ENV):  # one of several process groups in turn (contract.STORE_PREFIX_ENV)
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, **kwargs))
+        dist.init_process_group(backend, store=dist.PrefixStore(os.environ[STORE_PREFIX_ENV], store), rank=rank,
+                                world_size=world_size, **kwargs)
     else:
         dist.init_process_group(backend, **kwargs)
     if seed is not None:

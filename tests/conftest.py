@@ -5,7 +5,9 @@ agents and ranks, kernels, servers, `gpucourse grade`'s pytest and its jobs: all
 each test its survivors are killed; on a passing test they are an error. At the end of the session (of
 each xdist worker) nothing it started may be running any more.
 """
+import fcntl
 import itertools
+import json
 import os
 import sys
 import time
@@ -16,7 +18,7 @@ import psutil
 import pytest
 
 from gpucourse.contract import RUN_DIR_ENV, RUNS_ENV
-from gpucourse.grading import RESULTS_ENV
+from gpucourse.grading.plugin import RESULTS_ENV
 from gpucourse.procs import terminate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,3 +158,51 @@ def _no_process_outlives_its_test(request, _no_process_outlives_the_session):
         if getattr(request.node, "passed_call", False):
             pytest.fail(message, pytrace=False)
         warnings.warn(pytest.PytestWarning(message))
+
+
+# --- gradings that share their launches ---------------------------------------------------------------------
+BATCH_TIMEOUT_S = 3600  # the first grading of an exercise launches its whole batch
+
+
+def graded(exercise: str) -> list:
+    """The marks of a slow test that grades `exercise` through its batch: the batch's xdist group, and room for
+    the batch's launch."""
+    return [pytest.mark.slow, pytest.mark.xdist_group(f"grade-{exercise}"), pytest.mark.timeout(BATCH_TIMEOUT_S)]
+
+
+@pytest.fixture(scope="session")
+def grade_batch(tmp_path_factory):
+    """batch(exercise) -> a folder for $GPUCOURSE_GRADE_BATCH: every grading of that exercise in this session
+    (its solution, its untouched exercise, each mutant, and the solution again after them) shares one launch
+    per job (gpucourse/grading/records.py, Batch). Tests that use it run in the xdist group `grade-<exercise>`,
+    so one worker launches each batch; the folder is shared by the session's workers all the same."""
+    from gpucourse import exercises
+    from gpucourse.grading.plugin import BATCH_ENV  # noqa: F401  (the variable the folder goes into)
+    from gpucourse.grading.records import BATCH_FILE
+    from tests.mutants import all_mutants
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "grade-batches"
+    root.mkdir(exist_ok=True)
+
+    def batch(exercise: str) -> Path:
+        folder = root / exercise
+        with open(root / f"{exercise}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (folder / BATCH_FILE).exists():
+                folder.mkdir(exist_ok=True)
+                solution = exercises.solution_files()[exercise]
+                files = [solution, exercises.exercises_dir() / solution.name]
+                for mutant in all_mutants().get(exercise, []):
+                    path = folder / mutant.name / solution.name
+                    path.parent.mkdir()
+                    path.write_text(mutant.apply(solution.read_text()))
+                    files.append(path)
+                again = folder / "solution_after_the_mutants" / solution.name
+                again.parent.mkdir()
+                again.write_text(solution.read_text())
+                files.append(again)
+                (folder / BATCH_FILE).write_text(json.dumps({"submissions": [str(f.resolve()) for f in files]}))
+        return folder
+
+    return batch

@@ -1,5 +1,5 @@
 """The graders' defences, checked without a grading run (seconds, not minutes): the communication recorder
-(tests/graders/comm_recorder.py), the records' own writer and the bans (tests/graders/jobkit.py).
+(gpucourse/grading/comm_recorder.py), the records' own writer and the bans (gpucourse/grading/jobkit.py).
 
 The recorder patches torch.distributed for the whole process, so those checks run in a child process with a
 one-rank gloo group (and, for which process group each call ran on, two child processes: a two-rank group).
@@ -11,19 +11,15 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-GRADERS = Path(__file__).resolve().parent / "graders"
-
 CHILD = r'''
 import importlib, json, os, sys
-sys.path.insert(0, sys.argv[1])
 import torch, torch.distributed as dist
 from gpucourse import runtime
 ctx = runtime.setup()
-import comm_recorder, jobkit
+from gpucourse.grading import comm_recorder, jobkit
 log = jobkit.record_writer()
 rec = comm_recorder.install()
 out = {"wrapped": [hasattr(f, "__wrapped__") for f in (dist.all_reduce, dist.send, dist.ProcessGroup.allreduce,
@@ -64,7 +60,7 @@ def child(tmp_path_factory) -> tuple[dict, list]:
     env = {**os.environ, "GPUCOURSE_RUN_DIR": str(run_dir), "GPUCOURSE_BACKEND": "gloo", "GPUCOURSE_DEVICE": "cpu"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    done = subprocess.run([sys.executable, "-c", CHILD, str(GRADERS)], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env,
                           timeout=180)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
@@ -103,10 +99,9 @@ def test_a_ban_that_cannot_bind_stops_the_job(child):
 
 PAIR = r'''
 import json, sys
-sys.path.insert(0, sys.argv[1])
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
-import comm_recorder
+from gpucourse.grading import comm_recorder
 import torch.distributed._functional_collectives as funcol
 rec = comm_recorder.install()
 rank, other = dist.get_rank(), 1 - dist.get_rank()
@@ -133,7 +128,7 @@ def pair() -> dict[int, list]:
         port = s.getsockname()[1]
     base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo")
-    procs = {r: subprocess.Popen([sys.executable, "-c", PAIR, str(GRADERS)], env={**base, "RANK": str(r)},
+    procs = {r: subprocess.Popen([sys.executable, "-c", PAIR], env={**base, "RANK": str(r)},
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)}
     found = {}
     try:
@@ -163,8 +158,8 @@ def test_every_call_is_placed_in_its_process_group(pair):
 
 @pytest.mark.parametrize("job, name", [("ex02_job", "BANNED"), ("ex07_fsdp_job", "FORBID"),
                                        ("ex07_sharded_optimizer_job", "FORBID")])
-def test_every_graders_ban_binds_in_this_torch(job, name, monkeypatch):
-    monkeypatch.syspath_prepend(str(GRADERS))
-    module = importlib.import_module(job)
-    jobkit = importlib.import_module("jobkit")
+def test_every_graders_ban_binds_in_this_torch(job, name):
+    module = importlib.import_module(f"gpucourse.grading.graders.{job}")
+    from gpucourse.grading import jobkit
+
     assert jobkit.ban_targets(getattr(module, name))  # raises BanError, naming the target, when one does not bind

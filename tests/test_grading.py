@@ -17,11 +17,12 @@ import pytest
 
 from gpucourse import exercises, grading
 from gpucourse.exercises import ExerciseError, generate_exercises, render_exercise, resolve
-from tests.graders.job_records import REPORT_SLACK, JobRecords, job_module, raw
+from gpucourse.grading.records import REPORT_SLACK, JobRecords, job_module, raw
 
 SOLUTION = exercises.solutions_dir() / "ex01_ring_allreduce.py"
 EXERCISE = exercises.exercises_dir() / "ex01_ring_allreduce.py"
-TIMING_ENV = "GPUCOURSE_GRADE_TIMING"  # tests/graders/conftest.py: "score" (default) or "report"
+from gpucourse.grading.plugin import BATCH_ENV, TIMING_ENV
+from tests.conftest import BATCH_TIMEOUT_S, graded
 
 
 @pytest.fixture(autouse=True)
@@ -284,7 +285,6 @@ def test_plugin_scores_points_and_keeps_one_line_reasons(tmp_path):
 def test_timed_criteria_are_scored_by_default_and_only_reported_in_ci(tmp_path, monkeypatch):
     """The graders' `timing` fixture: a missed bound fails the test by default; with timing=report the figure
     is still shown, and the points follow the functional checks alone (a wrong result still loses them)."""
-    (tmp_path / "conftest.py").write_text("from tests.graders.conftest import timing  # noqa: F401\n")
     (tmp_path / "test_timed.py").write_text(textwrap.dedent('''\
         def test_slow(timing):
             timing.check(False, "0.10x gloo's, needs >= 0.25x", "no Python loops")
@@ -345,23 +345,28 @@ def test_a_syntax_error_is_graded_zero_with_the_error(tmp_path):
 def test_job_records_carry_the_graders_own_facts(tmp_path):
     """Every record, made-up ones included, carries the run folder, the rank and the world size the grader
     launched, whatever the rank wrote: the tests judge with them (ex04's plan, ex07's and ex10's byte limits)."""
-    plan = {"case": "plan", "cases": {"a": "a"}}
-    forged = {"case": "a", "rank": 5, "world": 99, "run_dir": "/elsewhere", "error": None}
-    result = SimpleNamespace(run_dir=tmp_path, metrics={0: [plan, forged], 1: [plan]}, returncodes={1: -9},
-                             error=None, status="failed")
-    job = JobRecords(result, 3)
+    plan = {"case": "plan", "cases": {"a": "a"}, "sub": 1}
+    forged = {"case": "a", "rank": 5, "world": 99, "run_dir": "/elsewhere", "error": None, "sub": 1}
+    other = {"case": "a", "error": "another submission's record", "sub": 0}
+    killed = {"case": "exit", "code": -9, "sub": 1}  # how rank 1's process for submission 1 ended
+    result = SimpleNamespace(run_dir=tmp_path, metrics={0: [other, plan, forged], 1: [plan, other, killed]},
+                             returncodes={1: 0}, error=None, status="ok")
+    job = JobRecords(result, 3, sub=1)
     first, killed, silent = job.ranks("a")
-    assert (first["rank"], first["world"], first["run_dir"]) == (0, 3, tmp_path)
+    assert (first["rank"], first["world"], first["run_dir"], first["sub"]) == (0, 3, tmp_path, 1)
+    assert first["error"] is None
     assert (killed["rank"], killed["world"], killed["peer_lost"]) == (1, 3, True)
     assert (silent["rank"], silent["world"], silent["ended"]) == (2, 3, True)
     assert [(rec["world"], rec["error"].startswith("not run")) for rec in job.ranks("b")] == [(3, True)]
 
 
 # --- real grading runs ----------------------------------------------------------------------------
-@pytest.mark.slow
-def test_solutions_get_full_marks_and_gradescope_file(tmp_path):
+@pytest.mark.parametrize("name", [pytest.param("ex01_ring_allreduce", marks=graded("ex01_ring_allreduce"))])
+def test_solutions_get_full_marks_and_gradescope_file(name, tmp_path, grade_batch, monkeypatch):
+    monkeypatch.setenv(BATCH_ENV, str(grade_batch(name)))
     gs, js = tmp_path / "results.json", tmp_path / "grade.json"
-    done = cli("grade", "ex01", "--target", "solutions", "--gradescope", str(gs), "--json", str(js))
+    done = cli("grade", "ex01", "--target", "solutions", "--gradescope", str(gs), "--json", str(js),
+               timeout=BATCH_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(gs.read_text())
     assert results["max_score"] > 0 and results["score"] == results["max_score"], done.stdout
@@ -371,9 +376,10 @@ def test_solutions_get_full_marks_and_gradescope_file(tmp_path):
     assert "timing: reported, not scored: busbw" in done.stdout  # measured and shown, not scored (see above)
 
 
-@pytest.mark.slow
-def test_untouched_exercises_get_zero_on_every_test():
-    report = grading.grade("ex01", "exercises")
+@pytest.mark.parametrize("name", [pytest.param("ex01_ring_allreduce", marks=graded("ex01_ring_allreduce"))])
+def test_untouched_exercises_get_zero_on_every_test(name, grade_batch, monkeypatch):
+    monkeypatch.setenv(BATCH_ENV, str(grade_batch(name)))
+    report = grading.grade("ex01", "exercises", timeout=BATCH_TIMEOUT_S)
     assert report.max_score > 0 and report.tests and not report.problems
     assert [t.name for t in report.tests if t.score] == []
     hint = "NotImplementedError: split tensor.view(-1)"
@@ -450,12 +456,12 @@ def test_misbehaving_code_is_graded_in_bounded_time_and_leaves_nothing(tmp_path,
 OTHER_GRADED = [name for name in exercises.grader_files() if name != "ex01_ring_allreduce"]  # ex01: tests above
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", OTHER_GRADED)
-def test_every_grader_gives_solutions_full_marks_and_untouched_exercises_zero(name):
-    solved = grading.grade(name, "solutions")
+@pytest.mark.parametrize("name", [pytest.param(n, marks=graded(n)) for n in OTHER_GRADED])
+def test_every_grader_gives_solutions_full_marks_and_untouched_exercises_zero(name, grade_batch, monkeypatch):
+    monkeypatch.setenv(BATCH_ENV, str(grade_batch(name)))
+    solved = grading.grade(name, "solutions", timeout=BATCH_TIMEOUT_S)
     assert solved.max_score > 0 and solved.score == solved.max_score, solved.table()
-    untouched = grading.grade(name, "exercises")
+    untouched = grading.grade(name, "exercises", timeout=BATCH_TIMEOUT_S)
     assert untouched.tests and [t.name for t in untouched.tests if t.score] == [], untouched.table()
 
 

@@ -116,7 +116,7 @@ def test_the_release_holds_no_solution(release):
     assert not (release / "solutions").exists()
     files = [p for p in release.rglob("*") if p.is_file()]
     assert not [p for p in files if "solutions" in p.relative_to(release).parts]
-    assert not (release / "tests" / "graders" / "mutants").exists()  # near-solutions that test the graders
+    assert not (release / "tests").exists()  # the course's tests, the mutants (near-solutions) among them
     texts = {p.relative_to(release).as_posix(): readable(p) for p in files}
     solution_texts = {path.read_text() for path in SOLUTIONS.values()}
     assert not [rel for rel, text in texts.items() if text in solution_texts]
@@ -124,7 +124,7 @@ def test_the_release_holds_no_solution(release):
         lines = give_aways(name)
         assert len(lines) >= 3, f"{name}: too few distinctive lines to check ({lines})"
         # A grader states the expected results: test_ex04's reference restates the formulas of ex04's docstring.
-        found = [(rel, line) for rel, text in texts.items() if rel != f"tests/graders/test_{name}.py"
+        found = [(rel, line) for rel, text in texts.items() if rel != f"gpucourse/grading/graders/test_{name}.py"
                  for line in lines if line in text]
         assert not found, f"solution code of {name} in the release: {found[:3]}"
     fenced = [rel for rel, text in texts.items() if exercises.BEGIN in text and rel != "gpucourse/exercises.py"]
@@ -132,10 +132,10 @@ def test_the_release_holds_no_solution(release):
 
 
 def test_the_release_ships_the_course_and_says_what_it_left_out(release):
-    for entry in ("gpucourse/cli.py", "gpucourse/release.py", "tests/graders/conftest.py", "tests/graders/jobkit.py",
-                  "tests/__init__.py", "README.md", "pyproject.toml", "Makefile", "environment.yml", "data/macbeth.txt",
-                  f"exercises/{FAST}.py", f"tests/graders/test_{FAST}.py", "notebooks/04_large_batch.ipynb",
-                  "scripts/04_large_batch.py", "tests/graders/ex09_model.py"):  # ex09's grader trains its own model
+    for entry in ("gpucourse/cli.py", "gpucourse/release.py", "gpucourse/grading/plugin.py",
+                  "gpucourse/grading/jobkit.py", "README.md", "pyproject.toml", "Makefile", "environment.yml", "data/macbeth.txt",
+                  f"exercises/{FAST}.py", f"gpucourse/grading/graders/test_{FAST}.py", "notebooks/04_large_batch.ipynb",
+                  "scripts/04_large_batch.py", "gpucourse/grading/graders/ex09_model.py"):  # ex09's grader trains its own model
         assert (release / entry).is_file(), entry
     assert (release / f"exercises/{FAST}.py").read_text() == (ROOT / f"exercises/{FAST}.py").read_text()
     assert not [p for p in release.rglob("*") if p.name == "__pycache__" or p.suffix == ".pyc"]
@@ -143,8 +143,8 @@ def test_the_release_ships_the_course_and_says_what_it_left_out(release):
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert head and f"commit: {head}" in manifest
     assert f"solutions/ ({len(SOLUTIONS)} files" in manifest
-    assert "tests/graders/mutants/" in manifest or not (ROOT / "tests/graders/mutants").exists()
-    required = json.loads((release / "tests/graders/required_names.json").read_text())
+    assert "tests/" in manifest.split("left out:")[1]
+    required = json.loads((release / "gpucourse/grading/graders/required_names.json").read_text())
     assert required == {name: exercises.required_names(name) for name in SOLUTIONS}
 
 

@@ -1,0 +1,13 @@
+"""Grading: the exercises' graders, the machinery that runs them, and the reports they give.
+
+    runner.py         `gpucourse grade`: runs an exercise's graders in a pytest subprocess, reads back the points
+    plugin.py         that subprocess's pytest plugin: `points`, `submission`, `timing`, the outcomes file
+    records.py        the grader process's side of a grading job: its records and raw results, `check`
+    jobkit.py         the rank's side: every grading job's order of events, guard, watchdog and record writer
+    comm_recorder.py  what a submission communicates, recorded through every layer of torch.distributed
+    graders/          one grader per exercise: test_exNN_<name>.py (the checks) and exNN_job.py (the ranks' job)
+
+    report = gpucourse.grading.grade("ex01")    # in a notebook: shows as an HTML table
+"""
+from .runner import (GradeReport, TestOutcome, add_cli, grade, grade_class, main, run_graders,  # noqa: F401
+                     run_pytest)

@@ -1,0 +1,128 @@
+"""The pytest plugin of a grading run (`-p gpucourse.grading.plugin`, active in the grading subprocess only).
+
+It gives the graders what they share: the `points(n)` marker, the `submission` under test and the `timing` fixture;
+and it writes every test's outcome to the JSON file the runner reads back.
+
+Graders run through `gpucourse grade EXERCISE [--target ...]`, which sets GPUCOURSE_GRADE_TARGET to
+'exercises', 'solutions', a folder or a file.
+
+Timed criteria (a bandwidth, an overlap measured with clocks) go through the `timing` fixture, and
+nowhere else: GPUCOURSE_GRADE_TIMING=report (what the test suite sets) still measures them and shows the
+figure, but leaves the points to the functional checks, so CI never depends on how busy its machine is.
+Learners' grading scores them (the default, GPUCOURSE_GRADE_TIMING=score).
+"""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gpucourse.exercises import target_file
+
+TARGET_ENV = "GPUCOURSE_GRADE_TARGET"
+RESULTS_ENV = "GPUCOURSE_GRADE_RESULTS"
+TIMING_ENV = "GPUCOURSE_GRADE_TIMING"  # "score" (default) or "report"
+BATCH_ENV = "GPUCOURSE_GRADE_BATCH"  # gradings that share their jobs' launches (records.Batch)
+REASON_CHARS = 300
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "points(n): what a grader test is worth; `gpucourse grade` adds them up")
+
+
+@pytest.fixture(scope="module")
+def submission(request) -> Path:
+    """The file under test for this grader's exercise (test_ex01_ring_allreduce.py grades ex01_ring_allreduce).
+
+    A missing file or a syntax error fails every test at once, with the reason, and launches nothing.
+    """
+    name = Path(request.module.__file__).stem.removeprefix("test_")
+    if not os.environ.get(TARGET_ENV):
+        pytest.fail("nothing to grade: run the graders with `gpucourse grade EXERCISE`", pytrace=False)
+    path = target_file(os.environ[TARGET_ENV], name)
+    if not path.is_file():
+        pytest.fail(f"nothing to grade: {path} not found", pytrace=False)
+    try:
+        compile(path.read_bytes(), str(path), "exec")
+    except SyntaxError as err:
+        pytest.fail(f"{path.name} has a syntax error at line {err.lineno}: {err.msg}", pytrace=False)
+    except ValueError as err:  # e.g. null bytes
+        pytest.fail(f"{path.name} cannot be compiled: {err}", pytrace=False)
+    return path
+
+
+class Timing:
+    """Judges one test's timed criterion; see the module docstring. The figure always reaches the report (as
+    the test's `note`, which gpucourse.grading shows beside the result), scored or not."""
+
+    def __init__(self, record_property, mode: str):
+        self.record, self.scored = record_property, mode != "report"
+
+    def check(self, ok: bool, figure: str, hint: str = "") -> None:
+        """`figure`: what was measured against what bound. Fails the test when it misses and timing is scored.
+
+        Call it after the functional checks of the same test: those always decide, in either mode."""
+        self.record("note", f"timing: {figure}" if self.scored else f"timing: reported, not scored: {figure}")
+        if self.scored and not ok:
+            pytest.fail(f"{figure}; {hint}" if hint else figure, pytrace=False)
+
+
+@pytest.fixture
+def timing(record_property) -> Timing:
+    return Timing(record_property, os.environ.get(TIMING_ENV, "score"))
+
+
+_outcomes: dict[str, dict] = {}
+_collect_errors: list[str] = []
+
+
+def _reason(report) -> str:
+    """One line saying why a test did not pass."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # a skip: (path, line, reason)
+        text = longrepr[2]
+    else:
+        crash = getattr(longrepr, "reprcrash", None)
+        text = crash.message if crash is not None else str(longrepr or "")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = lines[0] if lines else "failed"
+    for prefix in ("Failed: ", "AssertionError: ", "Skipped: "):
+        line = line.removeprefix(prefix)
+    return line[:REASON_CHARS]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        marker = item.get_closest_marker("points")
+        _outcomes[item.nodeid] = {"file": str(item.path), "name": item.name, "outcome": "not run", "reason": "",
+                                  "max_score": float(marker.args[0]) if marker else 1.0, "duration": 0.0, "note": ""}
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _collect_errors.append(f"the grader {report.nodeid or 'session'} could not be collected: {_reason(report)}")
+
+
+def pytest_runtest_logreport(report):
+    rec = _outcomes.get(report.nodeid)
+    if rec is None:
+        return
+    rec["duration"] += report.duration
+    rec["note"] = dict(report.user_properties).get("note", rec["note"])  # a grader's record_property("note", ...)
+    if rec["outcome"] in ("failed", "error", "skipped"):
+        return  # the first thing that went wrong is the reason
+    if report.failed:
+        rec.update(outcome="failed" if report.when == "call" else "error", reason=_reason(report))
+    elif report.skipped:
+        rec.update(outcome="skipped", reason=_reason(report))
+    elif report.when == "call":
+        rec["outcome"] = "passed"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        Path(path).write_text(json.dumps({"tests": list(_outcomes.values()), "collect_errors": _collect_errors,
+                                          "exitstatus": int(exitstatus)}, indent=1))
+
+

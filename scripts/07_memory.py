@@ -147,8 +147,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="global batch (divisible by the world size)")
     parser.add_argument("--sharded-impl", default=str(EXERCISES / "ex07_sharded_optimizer.py"))
     parser.add_argument("--fsdp-impl", default=str(EXERCISES / "ex07_fsdp.py"))
+    parser.add_argument("--cuda-with-gloo", action="store_true",
+                        help="diagnosis only: gloo ranks sharing a GPU hold CUDA tensors (crashed with SIGSEGV on "
+                             "an H100; see gpucourse gpu-check --only gloo_cuda_segv)")
     args = parser.parse_args()
-    ctx = runtime.setup(seed=0, cuda_with_gloo=False)  # sharing a GPU through gloo crashed (SIGSEGV) on an H100
+    # sharing a GPU through gloo crashed (SIGSEGV) on an H100: CPU tensors unless asked
+    ctx = runtime.setup(seed=0, cuda_with_gloo=args.cuda_with_gloo)
     impls = load_impls(args)
     reference = None
     for mode in args.modes:

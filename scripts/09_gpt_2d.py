@@ -209,6 +209,10 @@ def parse_args(argv=None):
     p.add_argument("--sample", type=int, default=200, help="characters to generate at the end (0: none)")
     p.add_argument("--data", default=str(DATA))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (its first steps then include the compilation: keep them in warmup)")
+    p.add_argument("--fused-optimizer", action="store_true",
+                   help="AdamW(fused=True): one kernel for the whole update (default: the per-tensor path)")
     return p.parse_args(argv)
 
 
@@ -281,11 +285,19 @@ def main(argv=None) -> None:
     n_params, fpt = sum(p.numel() for p in model.parameters()), flops_per_token(model)
     apply_tp(model, mesh["tp"])
     apply_dp(model, mesh, args.dp_mode)
-    # foreach=False: the per-tensor path, which takes any mix of plain tensors and DTensors.
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
+    # foreach=False: the per-tensor path, which takes any mix of plain tensors and DTensors. The fused kernel
+    # takes one kind per call, and AdamW calls it once per parameter group: DTensors and plain tensors apart.
+    params = list(model.parameters())
+    groups = [g for g in ([p for p in params if isinstance(p, DTensor)], [p for p in params
+                                                                          if not isinstance(p, DTensor)]) if g]
+    opt = (torch.optim.AdamW([{"params": g} for g in groups], lr=args.lr, weight_decay=0.0, fused=True)
+           if args.fused_optimizer else torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, foreach=False))
+    if args.compile:
+        model.compile()  # in place: the module (and its parameters, state_dict) stays the one built above
     runtime.log(header=True, dp=args.dp, tp=args.tp, dp_mode=args.dp_mode, params=n_params, flops_per_token=fpt,
                 vocab=data.vocab_size, global_batch=args.batch, context=args.context, device=str(ctx.device),
-                backend=ctx.backend, world_size=ctx.world_size, bf16=bf16, train_chars=len(data.train))
+                backend=ctx.backend, world_size=ctx.world_size, bf16=bf16, train_chars=len(data.train),
+                **{k: True for k, on in (("compiled", args.compile), ("fused_optimizer", args.fused_optimizer)) if on})
 
     timed = 0.0
     for step in range(args.steps):

@@ -34,3 +34,13 @@ def test_context_parallel_gathers_kv_by_default_and_cuts_the_sequence_head_tail(
         assert torch.equal(_load_balancer._HeadTailLoadBalancer(seq, n, "cpu")._generate_indices()[0].long(), zigzag)
     assert _load_balancer._create_default_load_balancer(10, 3, "cpu") is None  # S not a multiple of 2N: no reordering
 
+
+def test_fsdp2_mixed_precision_keeps_fp32_shards_and_gradients(runs_dir):
+    """Chapter 07: MixedPrecisionPolicy(param_dtype=bf16) computes in bf16, but the sharded parameter (the master)
+    and its sharded gradient stay fp32: 4 + 4 bytes per parameter, plus Adam's 8, divided by the ranks."""
+    result = launch(JOBS / "fsdp2_mixed_precision.py", nproc=2, live=False, timeout=180)
+    for rank, records in result.metrics.items():
+        rec = next(r for r in records if "param_dtypes" in r)
+        assert rec["param_dtypes"] == rec["local_dtypes"] == rec["grad_dtypes"] == ["torch.float32"], (rank, rec)
+        assert rec["computed_dtypes"] == ["torch.bfloat16"], (rank, rec)
+        assert rec["local_numel"] * 2 == rec["numel"], (rank, rec)  # each rank keeps half of every parameter

@@ -674,7 +674,9 @@ def context_parallel_bytes(method, shard_bytes, n, *, backward=False):
       ulysses     forward all-to-all of q, k and v (sequence-split to head-split) and of the output back: 4
                   tensors, each sending (n-1)/n of itself; backward the same 4 (dO in, dq/dk/dv out).
     The per-rank volume of all_gather and ring does not shrink with n (each rank sees every other's K/V once);
-    Ulysses' does, as (n-1)/n · 4 shards with shards of seq/n, which is why it scales better, up to n = heads.
+    Ulysses' does, as (n-1)/n · 4 shards with shards of seq/n. That is bytes, not time: Ulysses' all-to-alls sit
+    on the critical path (attention waits for them), an all-to-all across nodes runs at the inter-node links'
+    speed, and n is capped by the number of (K/V) heads; the ring overlaps each hop with a block's compute.
     """
     _require(method in CONTEXT_PARALLEL, f"unknown method {method!r}; valid: {', '.join(CONTEXT_PARALLEL)}")
     _check_nonneg(shard_bytes, "shard_bytes")

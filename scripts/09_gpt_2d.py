@@ -10,7 +10,9 @@ Every rank builds the model from the same seed before parallelizing, and every s
 batch on every rank; each dp group trains on its slice. So the run computes what one process would on the
 whole batch, and the per-step losses can be compared with the 1-rank run.
 
-Records: one per step (loss averaged over the global batch, step seconds), then a summary: tokens/s over the
+Records: first the all-reduces each block issued in one forward and one backward (CommDebugMode, before
+training; that step's gradients are dropped), then one per step (loss averaged over the global batch, step
+seconds), then a summary: tokens/s over the
 timed steps, bytes of parameters, gradients and optimizer state held by this rank (DTensor local shards),
 validation loss, a text sample. --profile N profiles N more steps (traces/rank<r>.json for gpucourse.traces).
 The same script runs on GPUs: the runtime picks NCCL and cuda:<local rank>; --dtype auto trains in bf16 there.
@@ -144,12 +146,31 @@ def flops_per_token(model: GPT, causal: bool = False) -> float:
 
 # --- the 2D parallelization ----------------------------------------------------------------------------
 def apply_tp(model: GPT, tp_mesh) -> None:
-    """Megatron-style TP inside each block: two all-reduces forward (after out, after proj), two backward.
+    """Megatron-style TP inside each block. Forward: two all-reduces (after the row-parallel out and proj).
+    Backward: one per column-parallel layer, for the gradient of its replicated input: q, k, v and fc, four.
+    (Megatron fuses q, k and v into one column-parallel layer: two.) count_block_all_reduces counts them.
     Embeddings, LayerNorms and the head stay replicated on the tp ranks (they are small here)."""
     plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
             "attn.out": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
+
+
+def count_block_all_reduces(model: GPT, x, y, autocast) -> list[dict]:
+    """[{"forward": n, "backward": m}] per block: the all-reduces DTensor issued inside it in one forward and
+    backward of (x, y), counted per module by CommDebugMode. The gradients are dropped afterwards."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:
+        with autocast():
+            _, loss = model(x, y)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    all_reduce = torch.ops.c10d_functional.all_reduce  # what DTensor's all-reduces are counted as
+    counts = comm.comm_module_counts  # module path ("GPT.blocks.0", ...) -> {"forward"/"backward": {op: count}}
+    blocks = [next((c for name, c in counts.items() if name.endswith(f".blocks.{i}")), {})
+              for i in range(len(model.blocks))]
+    return [{phase: block.get(phase, {}).get(all_reduce, 0) for phase in ("forward", "backward")} for block in blocks]
 
 
 def apply_dp(model: GPT, mesh, mode: str) -> None:
@@ -298,6 +319,8 @@ def main(argv=None) -> None:
                 vocab=data.vocab_size, global_batch=args.batch, context=args.context, device=str(ctx.device),
                 backend=ctx.backend, world_size=ctx.world_size, bf16=bf16, train_chars=len(data.train),
                 **{k: True for k, on in (("compiled", args.compile), ("fused_optimizer", args.fused_optimizer)) if on})
+    x, y = data.batch("train", args.batch // args.dp, args.context, seed=0)  # any batch: the counts do not vary
+    runtime.log(block_all_reduces=count_block_all_reduces(model, x.to(ctx.device), y.to(ctx.device), autocast))
 
     timed = 0.0
     for step in range(args.steps):

@@ -18,8 +18,11 @@ tensors saved by autograd), and the times. Also:
   balance     causal attention of this rank's queries against the whole sequence, chunk block by chunk block,
               skipping blocks wholly in the future: (query, key) pairs and time per rank, contiguous vs zig-zag
   mistake     ring attention with the causal mask of each block's LOCAL positions (is_causal on every block)
-  torch_cp    torch.distributed.tensor.experimental.context_parallel around SDPA (on CUDA): its error against
-              the reference; everywhere: which SDPA ops it handles, and whether the CPU's is one of them
+  torch_cp    torch.distributed.tensor.experimental.context_parallel around causal SDPA (on CUDA), with each of
+              its two ways of moving K/V: its error against the reference; everywhere, read from the installed
+              torch: which SDPA ops it handles (is the CPU's one of them?), how it moves K/V by default
+              (_cp_options.rotate_method: all-gather unless set_rotate_method("alltoall")), and which chunks
+              of the sequence its default (head-tail) load balancer gives this rank
   profile     a few ring-attention steps (forward + backward) under the profiler: traces/rank<r>.json
 """
 import argparse
@@ -257,26 +260,38 @@ def causal_work(q, k, v, chunks, n):
 
 # --- PyTorch's own: context_parallel ---------------------------------------------------------------------------
 def torch_context_parallel(q, k, v, want_out):
-    """SDPA under torch.distributed.tensor.experimental.context_parallel (no mask), then unsharded: its error
-    against the reference. It replaces only the CUDA attention kernels (flash, efficient, cuDNN) with its ring
-    attention; on a CPU, SDPA calls another op, so only the check of which ops it handles runs here."""
-    from torch.distributed.tensor.experimental._context_parallel import _attention
+    """PyTorch's context_parallel around causal SDPA, then unsharded: its error against the (causal) reference, for
+    each rotate method. Also what the installed torch does by default: how K/V reach the other ranks
+    (_cp_options.rotate_method) and which chunks of 2N each rank holds (the head-tail load balancer, used when the
+    sequence divides by 2N; it requires is_causal=True). It replaces only the CUDA attention kernels (flash,
+    efficient, cuDNN); on a CPU, SDPA calls another op, so only the reads of the defaults run here."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention, _load_balancer
 
+    n, rank, seq = dist.get_world_size(), dist.get_rank(), q.shape[2]
     handled = sorted(str(op) for op in _attention.custom_ops)
     cpu_op = "aten._scaled_dot_product_flash_attention_for_cpu.default"
-    record = {"handled": handled, "cpu_op": cpu_op, "cpu_op_handled": cpu_op in handled}
+    order = _load_balancer._HeadTailLoadBalancer(seq, n, "cpu")._generate_indices()[0]  # the position in each slot
+    chunks = (order.view(n, 2, -1)[rank, :, 0] // (seq // (2 * n))).tolist()  # the chunks this rank holds
+    record = {"handled": handled, "cpu_op": cpu_op, "cpu_op_handled": cpu_op in handled,
+              "rotate_method": _attention._cp_options.rotate_method.name,
+              "load_balance": _attention._cp_options.enable_load_balance, "head_tail_chunks": chunks}
     if runtime.context().device.type != "cuda":
         return {**record, "ran": False}
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard, set_rotate_method
 
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
-    q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))  # the flash kernel takes half precision
-    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
-        out = F.scaled_dot_product_attention(q, k, v)
-    (full,) = context_parallel_unshard(mesh, [out], [2])
-    return {**record, "ran": True, "error": (full.double().cpu() - want_out).abs().max().item()}
+    errors = {}
+    for method in ("allgather", "alltoall"):
+        set_rotate_method(method)
+        q_, k_, v_ = (t.to("cuda", torch.bfloat16) for t in (q, k, v))  # the flash kernel takes half precision
+        with context_parallel(mesh, buffers=[q_, k_, v_], buffer_seq_dims=[2, 2, 2]):
+            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)  # load balancing needs is_causal
+        (full,) = context_parallel_unshard(mesh, [out], [2])
+        errors[method] = (full.double() - want_out.to(full.device)).abs().max().item()
+    set_rotate_method("allgather")  # back to the default
+    return {**record, "ran": True, "errors": errors}
 
 
 def main():
@@ -341,7 +356,8 @@ def main():
         want_out = impl.shard_sequence(F.scaled_dot_product_attention(*leaves, is_causal=True), rank, n)
         runtime.log(case="mistake", error=(wrong.double() - want_out).abs().max().item())
 
-    runtime.log(case="torch_cp", **torch_context_parallel(*full[:3], F.scaled_dot_product_attention(*full[:3])))
+    runtime.log(case="torch_cp", **torch_context_parallel(
+        *full[:3], F.scaled_dot_product_attention(*full[:3], is_causal=True)))
 
     # a few ring-attention steps under the profiler: the K/V exchange beside the block computations
     leaves = [t.clone().requires_grad_() for t in mine[:3]]

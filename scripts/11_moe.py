@@ -11,6 +11,10 @@ Every rank builds the same MoE layer (a router and E expert MLPs) from a fixed s
     11_moe.py --mode mistake --mistake no-counts|wrong-order|silent-drop
     11_moe.py --mode mesh --dp D   experts split over "ep" and replicated over "dp" on a 2D DeviceMesh
 
+--priority picks which assignments an expert over capacity keeps: "token" (the default, and the exercise's rule:
+token 0's k choices, then token 1's, ...) or "choice" (GShard: every token's first choice before any second
+choice). Check records count the first choices each rule drops on this rank's routing.
+
 Routers: "learned" (the router's own logits), "skewed" (the same plus a large bias towards a few experts,
 the collapse that the load-balancing loss fights), "uniform" (a perfectly balanced assignment, round robin:
 the routing the volume formula assumes).
@@ -83,18 +87,29 @@ def load_balancing_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int
     return num_experts * (f * probs.mean(0)).sum()
 
 
-def kept_mask(ids: torch.Tensor, num_experts: int, capacity: int | None) -> torch.Tensor:
-    """(T, k): an assignment is kept when fewer than `capacity` earlier ones (row-major) chose its expert."""
+PRIORITIES = ("token", "choice")
+
+
+def kept_mask(ids: torch.Tensor, num_experts: int, capacity: int | None, priority: str = "token") -> torch.Tensor:
+    """(T, k): an assignment is kept when fewer than `capacity` earlier ones chose its expert. "Earlier":
+    priority "token" reads the assignments row-major (token 0's k choices, then token 1's, ...), so a token's
+    second choice can take a place before a later token's first choice; "choice" reads them column-major (every
+    token's first choice, then every second choice: GShard's rule). Either way an expert keeps min(capacity,
+    assignments to it): the rule changes which are dropped, not how many."""
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
     if capacity is None:
         return torch.ones_like(ids, dtype=torch.bool)
-    flat = ids.reshape(-1)
+    ordered = ids if priority == "token" else ids.t()
+    flat = ordered.reshape(-1)
     place = F.one_hot(flat, num_experts).cumsum(0).gather(1, flat[:, None]).squeeze(1) - 1
-    return (place < capacity).reshape(ids.shape)
+    kept = (place < capacity).reshape(ordered.shape)
+    return kept if priority == "token" else kept.t().contiguous()
 
 
-def moe_single(moe: MoE, x, ids, weights, capacity):
+def moe_single(moe: MoE, x, ids, weights, capacity, priority="token"):
     """The layer in one process: each kept assignment through its expert, weighted, summed per token."""
-    kept = kept_mask(ids, moe.num_experts, capacity)
+    kept = kept_mask(ids, moe.num_experts, capacity, priority)
     y = torch.zeros_like(x)
     for e, expert in enumerate(moe.experts):
         t, j = ((ids == e) & kept).nonzero(as_tuple=True)
@@ -122,13 +137,14 @@ class AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
-def moe_expert_parallel(moe: MoE, x, ids, weights, capacity, group=None, mistake=None, expert_time=None):
+def moe_expert_parallel(moe: MoE, x, ids, weights, capacity, group=None, mistake=None, expert_time=None,
+                        priority="token"):
     """This rank's tokens through the experts spread over `group`: (output, kept mask, rows per expert here).
     expert_time: a list to which the seconds this rank's experts took in forward are appended."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     E, k = moe.num_experts, ids.shape[1]
     per = E // n
-    kept = kept_mask(ids, E, capacity)
+    kept = kept_mask(ids, E, capacity, priority)
     flat = ids.reshape(-1)
     idx = kept.reshape(-1).nonzero().squeeze(1)
     order = idx[torch.sort(flat[idx], stable=True).indices]             # kept assignments grouped by expert
@@ -189,7 +205,8 @@ def grads(moe: MoE, experts) -> dict:
     return out
 
 
-def check(args, ctx, counter, dev, router, capacity_factor, group=None, dp_group=None, sources=None):
+def check(args, ctx, counter, dev, router, capacity_factor, group=None, dp_group=None, sources=None,
+          priority="token"):
     """Expert parallel over `group` vs one process on the tokens of `sources` (every rank in the 1-D case)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     sources = list(range(ctx.world_size)) if sources is None else sources
@@ -202,7 +219,7 @@ def check(args, ctx, counter, dev, router, capacity_factor, group=None, dp_group
         x, gy = tokens_of(s, args, dev)
         x = x.requires_grad_()
         probs, ids, w = ref_moe.route(x, router)
-        y, kept = moe_single(ref_moe, x, ids, w, capacity)
+        y, kept = moe_single(ref_moe, x, ids, w, capacity, priority)
         (y * gy).sum().backward()
         ref[s] = {"y": y.detach(), "x.grad": x.grad, "kept": kept, "ids": ids,
                   "aux": load_balancing_loss(probs, ids, args.experts).item()}
@@ -212,7 +229,7 @@ def check(args, ctx, counter, dev, router, capacity_factor, group=None, dp_group
     x = x.requires_grad_()
     probs, ids, w = moe.route(x, router)
     counter.on = True
-    y, kept, rows_here = moe_expert_parallel(moe, x, ids, w, capacity, group, args.mistake)
+    y, kept, rows_here = moe_expert_parallel(moe, x, ids, w, capacity, group, args.mistake, priority=priority)
     forward_calls = counter.take()
     (y * gy).sum().backward()
     backward_calls = counter.take()
@@ -227,7 +244,10 @@ def check(args, ctx, counter, dev, router, capacity_factor, group=None, dp_group
              "router.grad": max_diff(got.pop("router.weight"), want.pop("router.weight")),
              "experts' grads": max(max_diff(got[k], want[k]) for k in got)}
     dropped = int((~kept).sum())
-    return {"diffs": diffs, "dropped": dropped, "dropped_single": int((~ref[me]["kept"]).sum()),
+    first_kept = {p: kept_mask(ids, args.experts, capacity, p)[:, 0] for p in PRIORITIES}  # same routing, both rules
+    return {"diffs": diffs, "dropped": dropped, "priority": priority,
+            "first_choices_dropped": {p: int((~k).sum()) for p, k in first_kept.items()},
+            "first_choices_only_token_drops": int((~first_kept["token"] & first_kept["choice"]).sum()), "dropped_single": int((~ref[me]["kept"]).sum()),
             "zero_output_tokens": int((y.detach().abs().sum(1) == 0).sum()),
             "tokens_per_expert": torch.bincount(ids.reshape(-1), minlength=args.experts).tolist(),
             "rows_per_local_expert": rows_here.tolist(), "capacity": capacity,
@@ -273,6 +293,8 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--capacity-factor", nargs="+", type=float, default=[0.0],
                         help="0: no capacity (nothing dropped); several: check mode runs each")
+    parser.add_argument("--priority", choices=PRIORITIES, default="token",
+                        help="which assignments an expert over capacity keeps (check mode)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dp", type=int, default=1, help="mesh mode: data-parallel degree")
@@ -305,7 +327,7 @@ def main() -> None:
         for router in args.router:
             for factor in args.capacity_factor:
                 runtime.log(case="check", router=router, capacity_factor=factor,
-                            **check(args, ctx, counter, dev, router, factor))
+                            **check(args, ctx, counter, dev, router, factor, priority=args.priority))
     else:
         runtime.log(case=f"mistake-{args.mistake}", router=args.router[0],
                     **check(args, ctx, counter, dev, args.router[0], args.capacity_factor[0]))

@@ -105,6 +105,17 @@ def test_memory_counts_local_shards(runs, gpt, mesh):
         assert summary["tokens_per_s"] > 0
 
 
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}x{m[1]}-{m[2]}")
+def test_tp_all_reduces_per_block_are_two_forward_four_backward(runs, mesh):
+    """With q, k, v as three column-parallel layers, backward all-reduces the input gradient of each of them and
+    of fc: 4 (Megatron's fused QKV would make it 2); forward sums out and proj: 2. tp = 1: nothing to sum."""
+    dp, tp, _ = mesh
+    want = {"forward": 2, "backward": 4} if tp > 1 else {"forward": 0, "backward": 0}
+    for rank in range(dp * tp):
+        blocks = next(m["block_all_reduces"] for m in runs[mesh].metrics[rank] if "block_all_reduces" in m)
+        assert blocks and all(b == want for b in blocks), f"{mesh} rank {rank}: {blocks}, expected {want} per block"
+
+
 @pytest.mark.parametrize("dp, tp, heads, batch, words", [(2, 2, 4, 16, "ranks"), (1, 3, 4, 16, "--heads"),
                                                          (2, 1, 4, 15, "--batch")])
 def test_bad_sizes_get_a_clear_error(gpt, dp, tp, heads, batch, words):

@@ -79,6 +79,10 @@ def test_lines_that_matter_are_the_scripts_own(path):
         own = {ln.strip() for ln in script.splitlines()}
         assert lines and not [ln for ln in lines if ln not in own], \
             f"{path.name} cell {i} quotes lines the script no longer has: {[ln for ln in lines if ln not in own]}"
+        stated = re.search(r"\((\d+) of its (\d+)\b", cell.source)  # "(9 of its 320, ...)": both counts true
+        if stated:
+            assert (int(stated.group(1)), int(stated.group(2))) == (len(lines), len(script.splitlines()) - 1), \
+                f"{path.name} cell {i} says {stated.group(0)}): the box quotes {len(lines)} lines of {len(script.splitlines()) - 1}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

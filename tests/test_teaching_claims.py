@@ -12,3 +12,35 @@ def test_ddp_default_bucket_cap_has_a_small_first_bucket_and_an_explicit_cap_doe
     assert sum(buckets[None]) == sum(buckets[25]) == model_bytes
     assert len(buckets[None]) == 2 and 2**20 <= buckets[None][0] < 2 * 2**20  # the last layer alone, ~1 MiB
     assert buckets[25] == [model_bytes]  # 6.3 MB < 25 MiB: one bucket, ready only when backward ends
+
+
+def test_context_parallel_gathers_kv_by_default_and_cuts_the_sequence_head_tail():
+    """Chapter 10: torch's context_parallel all-gathers K/V unless set_rotate_method("alltoall"), and its default
+    load balancer gives rank r chunks r and 2N-1-r of 2N (the zig-zag layout); the chapter's runs assert the same."""
+    import torch
+    from torch.distributed.tensor.experimental._context_parallel import _attention, _load_balancer
+
+    options = _attention._cp_options
+    assert options.rotate_method == _attention._RotateMethod.ALL_GATHER and options.enable_load_balance
+    try:
+        _attention.set_rotate_method("alltoall")
+        assert options.rotate_method == _attention._RotateMethod.ALL_TO_ALL
+    finally:
+        _attention.set_rotate_method("allgather")
+    for seq, n in ((16, 4), (64, 2), (24, 3)):
+        c = seq // (2 * n)
+        zigzag = torch.cat([torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c)])
+                            for r in range(n)])
+        assert torch.equal(_load_balancer._HeadTailLoadBalancer(seq, n, "cpu")._generate_indices()[0].long(), zigzag)
+    assert _load_balancer._create_default_load_balancer(10, 3, "cpu") is None  # S not a multiple of 2N: no reordering
+
+
+def test_fsdp2_mixed_precision_keeps_fp32_shards_and_gradients(runs_dir):
+    """Chapter 07: MixedPrecisionPolicy(param_dtype=bf16) computes in bf16, but the sharded parameter (the master)
+    and its sharded gradient stay fp32: 4 + 4 bytes per parameter, plus Adam's 8, divided by the ranks."""
+    result = launch(JOBS / "fsdp2_mixed_precision.py", nproc=2, live=False, timeout=180)
+    for rank, records in result.metrics.items():
+        rec = next(r for r in records if "param_dtypes" in r)
+        assert rec["param_dtypes"] == rec["local_dtypes"] == rec["grad_dtypes"] == ["torch.float32"], (rank, rec)
+        assert rec["computed_dtypes"] == ["torch.bfloat16"], (rank, rec)
+        assert rec["local_numel"] * 2 == rec["numel"], (rank, rec)  # each rank keeps half of every parameter

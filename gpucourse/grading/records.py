@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpucourse.contract import raw_file
+from gpucourse.contract import DEVICE_ENV, raw_file
 from gpucourse.launcher import launch
 from gpucourse.result import load_run
 
@@ -148,9 +148,10 @@ def launch_jobs(job_file, submission, world_sizes, *, name: str, case_limit: flo
         world, own = jobs[key]
         args = [*submissions, "--case-limit", str(case_limit), *extra_args, *own]
 
-        def start():
+        def start():  # gloo ranks on the CPU wherever it is graded: a GPU machine gives the same verdict
             return launch(job_file, nproc=world, args=args, name=name.format(world=world, key=key), live=False,
-                          timeout=timeout * len(submissions), stall_timeout=stall_timeout, env=env, check=False)
+                          timeout=timeout * len(submissions), stall_timeout=stall_timeout, check=False,
+                          backend="gloo", env={DEVICE_ENV: "cpu", **(env or {})})
 
         result = batch.run(job_file, world, args, start) if batch else start()
         return JobRecords(result, world, f"{key} mesh" if isinstance(world_sizes, dict) else None, sub)

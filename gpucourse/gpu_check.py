@@ -373,7 +373,7 @@ def check_notebooks(smoke: bool = True, only: list[str] | None = None, output: P
 
     def cell_timeout():
         left = seconds_left()
-        return 600 if left is None else max(60.0, min(600.0, left))
+        return 600 if left is None else int(max(60, min(600, left)))  # papermill takes whole seconds
 
     def may_start(path) -> bool:
         left = seconds_left()

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -83,11 +84,12 @@ def build(mode: str, args, impls, device):
         else:
             opt = impls["sharded"].ShardedOptimizer(params, torch.optim.AdamW, lr=LR)
         return model, opt, params, lambda: [p.detach() for p in net.parameters()]
-    if mode == "fsdp2":
+    if mode == "fsdp2":  # the mesh on the rank's device: fully_shard's default is CUDA's whenever a GPU exists
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for layer in net:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        model = fully_shard(net)
+                fully_shard(layer, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
         params = list(net.parameters())
         return model, torch.optim.AdamW(params, lr=LR), params, lambda: [p.full_tensor() for p in net.parameters()]
     model = impls["fsdp"].FSDP(net)

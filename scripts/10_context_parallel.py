@@ -303,7 +303,7 @@ def main():
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--profile-steps", type=int, default=3)
     args = parser.parse_args()
-    ctx = runtime.setup(seed=0)
+    ctx = runtime.setup(seed=0, cuda_with_gloo=False)  # gloo's send/recv take CPU tensors only
     n, rank = ctx.world_size, ctx.rank
     if args.seq % (2 * n):
         raise ValueError(f"--seq {args.seq} is not divisible by 2 × world size = {2 * n}: the zig-zag layout cuts "

@@ -22,7 +22,7 @@ and one space, relative to the fence's):
 
 becomes `rows = slice(rank * per_rank, (rank + 1) * per_rank)` in the exercise, unmarked: finding it is the task.
 
-Exercises are discovered by scanning `solutions/ex*.py` and `gpucourse/grading/graders/test_ex*.py`: a new
+Exercises are discovered by scanning `solutions/ex*.py` and `gpucourse/grading/graders/ex*.py`: a new
 chapter adds its files and needs no change here.
 """
 from __future__ import annotations
@@ -80,8 +80,8 @@ def solution_files(folder: Path | None = None) -> dict[str, Path]:
 
 
 def grader_files() -> dict[str, Path]:
-    """{exercise name: grader file}, from gpucourse/grading/graders/test_exNN_<name>.py."""
-    return _named(graders_dir().glob("test_ex*.py"), strip="test_")
+    """{exercise name: grader file}, from gpucourse/grading/graders/exNN_<name>.py (one file per exercise)."""
+    return _named(graders_dir().glob("ex*.py"))
 
 
 def all_exercises() -> list[str]:

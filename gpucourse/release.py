@@ -126,8 +126,8 @@ def _searchable(rel: str, data: bytes) -> str:
 def find_leaks(files: dict[str, bytes], solutions: dict[str, Path]) -> tuple[list[str], int]:
     """(["path: line of solutions/X.py", ...], how many distinctive lines were looked for).
 
-    A grader states what is expected, so an exercise's own grader (GRADERS/test_<name>.py) is not searched
-    for that exercise's lines: test_ex04's reference restates the formulas the exercise's docstring gives.
+    A grader states what is expected, so an exercise's own grader (GRADERS/<name>.py) is not searched
+    for that exercise's lines: ex04's grader restates the formulas the exercise's docstring gives.
     """
     texts = {rel: _searchable(rel, data) for rel, data in files.items()}
     leaks, looked_for = [], 0
@@ -135,7 +135,7 @@ def find_leaks(files: dict[str, bytes], solutions: dict[str, Path]) -> tuple[lis
         exercise = texts.get(f"exercises/{name}.py", "")
         lines = distinctive_lines(path.read_text(), exercise)
         looked_for += len(lines)
-        own_grader = f"{GRADERS}/test_{name}.py"
+        own_grader = f"{GRADERS}/{name}.py"
         for rel, text in texts.items():
             leaks += [f"{rel}: {line!r} (solutions/{path.name})" for line in lines
                       if rel != own_grader and line in text]

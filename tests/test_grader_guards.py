@@ -156,8 +156,8 @@ def test_every_call_is_placed_in_its_process_group(pair):
                               ["dist.send" if rank == 0 else "dist.recv", [[0, 1]], [other]]], pair[rank]
 
 
-@pytest.mark.parametrize("job, name", [("ex02_job", "BANNED"), ("ex07_fsdp_job", "FORBID"),
-                                       ("ex07_sharded_optimizer_job", "FORBID")])
+@pytest.mark.parametrize("job, name", [("ex02_ddp", "BANNED"), ("ex07_fsdp", "FORBID"),
+                                       ("ex07_sharded_optimizer", "FORBID")])
 def test_every_graders_ban_binds_in_this_torch(job, name):
     module = importlib.import_module(f"gpucourse.grading.graders.{job}")
     from gpucourse.grading import jobkit

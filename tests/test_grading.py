@@ -473,7 +473,7 @@ def test_ex09_untouched_shows_what_its_docstring_says(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(tmp_path))
     report = grading.grade("ex09_fix_2d", "exercises")
     assert report.tests and report.score == 0, report.table()
-    job = job_module(Path(exercises.grader_files()["ex09_fix_2d"]).with_name("ex09_job.py"))
+    job = job_module(exercises.grader_files()["ex09_fix_2d"])
     reference = job.reference(job.course_model())  # the grader's one process, as the grader computes it
     records = {}
     for run in tmp_path.glob("grade-ex09-*"):

@@ -38,7 +38,7 @@ def grader_tests() -> dict[str, frozenset]:
     for line in done.stdout.splitlines():
         if "::" in line:
             path, name = line.strip().split("::", 1)
-            names.setdefault(Path(path).stem.removeprefix("test_"), set()).add(name)
+            names.setdefault(Path(path).stem, set()).add(name)
     assert names, done.stdout + done.stderr
     return {exercise: frozenset(tests) for exercise, tests in names.items()}
 

@@ -123,8 +123,8 @@ def test_the_release_holds_no_solution(release):
     for name in SOLUTIONS:
         lines = give_aways(name)
         assert len(lines) >= 3, f"{name}: too few distinctive lines to check ({lines})"
-        # A grader states the expected results: test_ex04's reference restates the formulas of ex04's docstring.
-        found = [(rel, line) for rel, text in texts.items() if rel != f"gpucourse/grading/graders/test_{name}.py"
+        # A grader states the expected results: ex04's grader restates the formulas of ex04's docstring.
+        found = [(rel, line) for rel, text in texts.items() if rel != f"gpucourse/grading/graders/{name}.py"
                  for line in lines if line in text]
         assert not found, f"solution code of {name} in the release: {found[:3]}"
     fenced = [rel for rel, text in texts.items() if exercises.BEGIN in text and rel != "gpucourse/exercises.py"]
@@ -134,8 +134,8 @@ def test_the_release_holds_no_solution(release):
 def test_the_release_ships_the_course_and_says_what_it_left_out(release):
     for entry in ("gpucourse/cli.py", "gpucourse/release.py", "gpucourse/grading/plugin.py",
                   "gpucourse/grading/jobkit.py", "README.md", "pyproject.toml", "Makefile", "environment.yml", "data/macbeth.txt",
-                  f"exercises/{FAST}.py", f"gpucourse/grading/graders/test_{FAST}.py", "notebooks/04_large_batch.ipynb",
-                  "scripts/04_large_batch.py", "gpucourse/grading/graders/ex09_model.py"):  # ex09's grader trains its own model
+                  f"exercises/{FAST}.py", f"gpucourse/grading/graders/{FAST}.py", "notebooks/04_large_batch.ipynb",
+                  "scripts/04_large_batch.py", "gpucourse/grading/graders/_ex09_model.py"):  # ex09's grader trains its own model
         assert (release / entry).is_file(), entry
     assert (release / f"exercises/{FAST}.py").read_text() == (ROOT / f"exercises/{FAST}.py").read_text()
     assert not [p for p in release.rglob("*") if p.name == "__pycache__" or p.suffix == ".pyc"]
@@ -263,7 +263,7 @@ CLASS_BODY_ATTACK = """\
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_learners_ex09_file_never_runs_in_the_grader_process(release, tmp_path):
-    """In a release (no solutions/), ex09's grader trains its reference with its own model (ex09_model.py), not
+    """In a release (no solutions/), ex09's grader trains its reference with its own model (_ex09_model.py), not
     with the class definitions of exercises/ex09_fix_2d.py: a right submission whose class body attacks the grader
     process gets full marks, and that class body ran in every rank and never in the grader process."""
     course, marks = tmp_path / "course", tmp_path / "marks"

@@ -5,7 +5,8 @@
     records.py        the grader process's side of a grading job: its records and raw results, `check`
     jobkit.py         the rank's side: every grading job's order of events, guard, watchdog and record writer
     comm_recorder.py  what a submission communicates, recorded through every layer of torch.distributed
-    graders/          one grader per exercise: test_exNN_<name>.py (the checks) and exNN_job.py (the ranks' job)
+    graders/          one grader per exercise, exNN_<name>.py: what runs in the ranks, and the checks of the grader
+                      process (pytest tests with `points`); _-prefixed files are what two graders share
 
     report = gpucourse.grading.grade("ex01")    # in a notebook: shows as an HTML table
 """

@@ -1,4 +1,4 @@
-"""What every grading job shares (imported by the exNN_job.py scripts, which run inside each rank).
+"""What every grading job shares (each grader, graders/exNN_<name>.py, runs as a job inside each rank).
 
 A submission must never be able to take the grading run down with it: its output is capped, each case
 runs under a watchdog that logs why and ends the rank when the case runs too long, and its exceptions

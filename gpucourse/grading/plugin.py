@@ -32,11 +32,11 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="module")
 def submission(request) -> Path:
-    """The file under test for this grader's exercise (test_ex01_ring_allreduce.py grades ex01_ring_allreduce).
+    """The file under test for this grader's exercise (graders/ex01_ring_allreduce.py grades ex01_ring_allreduce).
 
     A missing file or a syntax error fails every test at once, with the reason, and launches nothing.
     """
-    name = Path(request.module.__file__).stem.removeprefix("test_")
+    name = Path(request.module.__file__).stem
     if not os.environ.get(TARGET_ENV):
         pytest.fail("nothing to grade: run the graders with `gpucourse grade EXERCISE`", pytrace=False)
     path = target_file(os.environ[TARGET_ENV], name)

@@ -1,6 +1,6 @@
 """The grader side of a grading job: the records it left, by case and rank, and why it stopped early.
 
-Every exNN_job.py logs `{"case": "plan", "cases": {case: group}}` first, `{"case": "import", "error": ...}`
+Every grader's job logs `{"case": "plan", "cases": {case: group}}` first, `{"case": "import", "error": ...}`
 if the submission cannot be loaded, then one record per case and rank. The tests ask for a case's records
 and get one per rank, with a made-up record (and the reason) for a rank that ended during the case.
 

@@ -7,7 +7,7 @@
 
     report = gpucourse.grading.grade("ex01")    # in a notebook: shows as an HTML table
 
-The graders are pytest files, gpucourse/grading/graders/test_exNN_<name>.py, whose tests carry
+The graders are pytest files, gpucourse/grading/graders/exNN_<name>.py, whose tests carry
 `@pytest.mark.points(n)`. They run in a pytest subprocess (with `-p gpucourse.grading.plugin`, which writes each
 test's outcome to a JSON file), so a submission that crashes, hangs or floods its output can cost its own points
 but never the grader. Each test launches its real multi-rank jobs through gpucourse.launch, with time limits.
@@ -135,7 +135,7 @@ def _graders_for(names: list[str]) -> list[Path]:
     graders = exercises.grader_files()
     missing = [n for n in names if n not in graders]
     if missing:
-        raise ExerciseError(f"no grader for {', '.join(missing)}: expected gpucourse/grading/graders/test_{missing[0]}.py")
+        raise ExerciseError(f"no grader for {', '.join(missing)}: expected gpucourse/grading/graders/{missing[0]}.py")
     return [graders[n] for n in names]
 
 
@@ -196,7 +196,7 @@ def run_graders(exercise: str, names: list[str], target, files: dict[str, Path],
         return report
     report.problems += data["collect_errors"]
     for rec in data["tests"]:
-        report.tests.append(TestOutcome(Path(rec["file"]).stem.removeprefix("test_"), rec["name"], rec["max_score"],
+        report.tests.append(TestOutcome(Path(rec["file"]).stem, rec["name"], rec["max_score"],
                                         rec["outcome"], rec["reason"], round(rec["duration"], 3), rec["note"]))
     return report
 

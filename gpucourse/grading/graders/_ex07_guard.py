@@ -1,7 +1,7 @@
 """What both ex07 grading jobs share: a record of every collective the submission starts, a refusal of
 torch's own sharding classes, and a count of the tensor bytes an object holds.
 
-Imported by ex07_sharded_optimizer_job.py and ex07_fsdp_job.py (beside it), on every rank.
+Imported by the graders ex07_sharded_optimizer.py and ex07_fsdp.py, on every rank.
 """
 import contextlib
 

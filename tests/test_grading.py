@@ -17,7 +17,7 @@ import pytest
 
 from gpucourse import exercises, grading
 from gpucourse.exercises import ExerciseError, generate_exercises, render_exercise, resolve
-from gpucourse.grading.records import REPORT_SLACK, JobRecords, job_module, raw
+from gpucourse.grading.records import BATCH_FILE, REPORT_SLACK, JobRecords, job_module, raw
 
 SOLUTION = exercises.solutions_dir() / "ex01_ring_allreduce.py"
 EXERCISE = exercises.exercises_dir() / "ex01_ring_allreduce.py"
@@ -436,12 +436,19 @@ def job_processes(runs_dir) -> list:
 
 @pytest.mark.slow
 def test_misbehaving_code_is_graded_in_bounded_time_and_leaves_nothing(tmp_path, monkeypatch):
+    """Graded in one batch with the solution after it: what the misbehaving submission did (a flood, a deadlock, a
+    rank that leaves, an exception) costs its own points, in bounded time, and nothing of the next one's."""
     runs = tmp_path / "runs"
     monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(runs))
-    (tmp_path / "ex01_ring_allreduce.py").write_text(MISBEHAVING)
+    bad, good = tmp_path / "bad", tmp_path / "good"
+    bad.mkdir(), good.mkdir()
+    (bad / "ex01_ring_allreduce.py").write_text(MISBEHAVING)
+    shutil.copy(SOLUTION, good / "ex01_ring_allreduce.py")
+    (tmp_path / BATCH_FILE).write_text(json.dumps({"submissions": [str(d.resolve() / SOLUTION.name) for d in (bad, good)]}))
+    monkeypatch.setenv(BATCH_ENV, str(tmp_path))
     start = time.monotonic()
-    report = grading.grade("ex01", tmp_path)
-    assert time.monotonic() - start < 150 * REPORT_SLACK  # the suite's limits have REPORT_SLACK times more room
+    report = grading.grade("ex01", bad)
+    assert time.monotonic() - start < 2 * 150 * REPORT_SLACK  # both submissions; the suite's limits have more room
     reasons = {t.name: t.reason for t in report.tests}
     assert report.score == 0 and report.tests, report.table()
     assert "did not finish within" in reasons["test_matches_all_reduce[1]"]
@@ -450,6 +457,8 @@ def test_misbehaving_code_is_graded_in_bounded_time_and_leaves_nothing(tmp_path,
     assert "ValueError: boom" in reasons["test_matches_all_reduce[4]"]
     flood_log = next(runs.glob("grade-ex01-w1-*")) / "logs" / "attempt0" / "rank0.stdout"
     assert flood_log.stat().st_size < 50_000  # the print loop was capped
+    after = grading.grade("ex01", good)  # read from the same runs
+    assert after.max_score > 0 and after.score == after.max_score, after.table()
     assert job_processes(runs) == []
 
 

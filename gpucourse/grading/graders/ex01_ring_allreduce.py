@@ -35,9 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpucourse import runtime
-from gpucourse import costs
-from gpucourse.grading import comm_recorder  # what a submission communicates
+from gpucourse import costs, runtime
 from gpucourse.grading import jobkit  # what every grading job shares
 from gpucourse.grading.records import JobRecords, check, launch_jobs, raw
 
@@ -220,7 +218,7 @@ def p2p_problem(rec, world) -> str | None:
 
 
 def compared(rec, world, which: str) -> dict:
-    """CASES.compare of the rank's raw `which` ("out": what it returned, "after": the caller's tensor) with the
+    """compare() of the rank's raw `which` ("out": what it returned, "after": the caller's tensor) with the
     sum recomputed here."""
     want, values = expected(world, rec["case"])
     got = raw(rec)[which]

@@ -55,8 +55,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpucourse import runtime
-from gpucourse.grading import comm_recorder  # what a submission communicates
 from gpucourse.grading import jobkit  # what every grading job shares
 from gpucourse.grading.records import JobRecords, check, launch_jobs, raw
 
@@ -459,7 +457,7 @@ def equiv_problem(rec) -> str | None:
         diff = (mine - ref).abs().max().item()
         if not diff <= TOLERANCE:  # NaN is wrong too
             return (f"after step {step}, parameters differ from one process on the full batch by {diff:.2g} "
-                    f"(tolerance {CASES.TOLERANCE:g}): average (sum / world size) the gradients, once each")
+                    f"(tolerance {TOLERANCE:g}): average (sum / world size) the gradients, once each")
     net = equiv_setup(rec["model"], rec["world"])[0]
     frozen = {name for name, p in net.named_parameters() if not p.requires_grad}
     moved = {name for mine in got for name, a, b in zip(rec["names"], mine.split(rec["sizes"]),

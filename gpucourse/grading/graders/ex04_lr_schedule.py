@@ -4,7 +4,7 @@ One real job per world size (1, 2 and 4 ranks, through gpucourse.launch; ex04_lr
 schedule for its own job (per-rank batch B, so base batch B and global batch world_size * B), evaluates the
 edge cases, and drives a few DistributedDataParallel steps with the submission's scheduler, and records what
 the submission returned or raised. The tests compare that, here in the grader process, with the reference below,
-evaluated on each case's arguments as the job's own plan gives them (`CASES.plan`), never as a record says.
+evaluated on each case's arguments as the job's own plan gives them (`plan`), never as a record says.
 
 In each rank (this file, run by torchrun through gpucourse.launch): one grading job for ex04 (learning-rate
 schedule): every case for this job's world size, in one launch.

@@ -2,7 +2,7 @@
 
 Three real jobs (1, 2 and 4 ranks, side by side, through gpucourse.launch; ex07_fsdp.py) run every case on
 the submission and save what it produced (the full parameters after each step, raw); the tests compare that, here
-in the grader process, with one process training the unwrapped model (`CASES.reference`). What is checked:
+in the grader process, with one process training the unwrapped model (`reference`). What is checked:
 - the full parameters (gather_full_params) match one process on the whole batch after each of 3 steps, with
   AdamW and with SGD, for layer sizes that need padding and for a tied embedding;
 - each rank's parameters (the shards) hold ~1/N of the model, the wrapper keeps no other copy, and no full
@@ -291,7 +291,7 @@ def freed_problem(rec) -> str | None:
     for step, (fwd, fin) in enumerate(zip(rec["after_forward"], rec["after_finish"]), 1):
         if fwd:
             return (f"step {step}: after forward, {fwd} bytes of full-size tensors are still alive (a full weight "
-                    f"is {CASES.WEIGHT_BYTES} bytes): free each gathered parameter after its module's forward and "
+                    f"is {WEIGHT_BYTES} bytes): free each gathered parameter after its module's forward and "
                     f"gather it again in backward (saved_tensors_hooks)")
         if fin:
             return (f"step {step}: after finish_gradient_synchronization, {fin} bytes of full-size tensors (full "

@@ -2,7 +2,7 @@
 
 Two real jobs (2 and 4 ranks, side by side, through gpucourse.launch; ex07_sharded_optimizer.py) run
 every case on the submission and save the parameters after each step; the tests compare them, here in the grader
-process, with the plain torch optimizer stepped here on the same model and batch (`CASES.reference`). What is
+process, with the plain torch optimizer stepped here on the same model and batch (`reference`). What is
 checked:
 - the parameters match the plain torch optimizer step by step (AdamW with weight decay, SGD with momentum,
   an lr changed through param_groups), with tied weights passed twice, and after add_param_group;

@@ -2,7 +2,7 @@
 
 One real 3-rank job (ex08_fix_the_hang.py, through gpucourse.launch) with uneven shards: 7, 4 and 5 training
 batches, 2, 3 and 0 evaluation batches. The tests read its records and the parameters it saved, and compare them
-with what the grader process computes itself from the job's data and model (`CASES.reference`):
+with what the grader process computes itself from the job's data and model (`reference`):
 - common_steps: every rank gets the smallest count (one rank with 0; all equal);
 - evaluate: the mean squared error over every rank's data, the same on every rank; eval mode while
   evaluating, the previous mode afterwards, no gradients;

@@ -191,7 +191,7 @@ TOLERANCE = 1e-5  # float32, 3 steps; the tp all-reduces' order of summation mov
 
 @functools.lru_cache(maxsize=None)
 def cached_reference() -> dict:
-    """One process training the course's TinyLM (CASES.course_model: the graders' own copy, _ex09_model.py, never
+    """One process training the course's TinyLM (course_model: the graders' own copy, _ex09_model.py, never
     the learner's file) on the whole batch: initial parameters, losses, final ones."""
     return reference(course_model())
 
@@ -220,7 +220,7 @@ def where(rec, mesh) -> str:
 
 
 def params_difference(rec, mesh, which: str) -> dict:
-    """CASES.compare of the rank's parameters (whole) with the one process's ("init" or "final")."""
+    """compare() of the rank's parameters (whole) with the one process's ("init" or "final")."""
     return compare(raw(rec)["params"], cached_reference()[which])
 
 

@@ -183,7 +183,7 @@ class _Job:
             for proc in descendants(agent.pid):
                 self.seen.setdefault(proc.pid, proc)
         # Asked again until it answers: a worker caught between fork and exec still carries torchrun's
-        # environment, without RANK (a timeout once named only one of two hung ranks because of it).
+        # environment, without RANK, and would otherwise never be named.
         for pid, proc in self.seen.items():
             if pid not in self.ranks and (rank := rank_of(proc)) is not None:
                 self.ranks[pid] = rank

@@ -196,8 +196,8 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
     timeout_s: collective timeout; short values turn a hang into a clear error (default: torch's).
     cuda_with_gloo: with gloo on a machine with GPUs (more ranks than GPUs), put each rank on a GPU (True)
     or keep it on the CPU (False). gloo runs all_reduce, broadcast and all_gather on CUDA tensors, but not
-    everything: on an H100 (torch 2.11, docs/gpu-check-2026-11-25.md) its send/recv failed on CUDA tensors
-    ("writev ... Bad address") and chapter 07's ZeRO/FSDP script died of SIGSEGV. Scripts that need those
+    everything: on an H100 (torch 2.11, docs/gpu-report-2026-11-25.md and -26.md) its send/recv failed on CUDA
+    tensors ("writev ... Bad address") and FSDP2's full_tensor() died of SIGSEGV. Scripts that need those
     pass False.
     """
     global _ctx

@@ -34,8 +34,8 @@ from gpucourse.result import load_run
 from gpucourse.grading.plugin import BATCH_ENV, TIMING_ENV
 
 # In the test suite (TIMING_ENV=report) the limits only catch hangs and endless loops: they get this much more
-# room, so that a correct case on a machine loaded far beyond two burners is never cut off (a mutant's 20 s
-# memory case once was, and the cases after it lost their points too). Learners' grading keeps the limits as set.
+# room, so that a correct case on a machine loaded far beyond two burners is never cut off. Learners' grading keeps
+# the limits as set.
 REPORT_SLACK = 2
 BATCH_FILE = "batch.json"  # in the batch folder: {"submissions": [absolute paths]}
 

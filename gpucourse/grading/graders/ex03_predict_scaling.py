@@ -263,8 +263,8 @@ def job(submission) -> JobRecords:
 def case_inputs(job: JobRecords, rec) -> tuple:
     """What the job gave the submission in `rec`'s case: ("fit", sizes, times, n), ("bytes", model),
     ("all_reduce", pairs, alpha, beta), (group, inputs) or ("invalid", name)."""
-    plan = job.records["plan"][rec["rank"]]
-    cases = {case: what for case, _, what in plan(plan["measured"], plan["times"], job.world, MLP())}
+    logged = job.records["plan"][rec["rank"]]
+    cases = {case: what for case, _, what in plan(logged["measured"], logged["times"], job.world, MLP())}
     return cases[rec["case"]]
 
 

@@ -269,8 +269,17 @@ class GradingJob:
                                 fields=self.fields)
         self.loaded(module)
         run_cases(cases, self.case_args(module), self.watchdog, limit, self.submission, log, fields=self.fields,
-                  between=self.guard.dist.barrier if self.barrier_between_cases else None)
+                  between=self.line_up if self.barrier_between_cases else None)
         runtime.teardown()
+
+
+    def line_up(self) -> None:
+        """The barrier between cases, once gloo's workers are idle: a collective of the submission's that failed
+        stays on its worker's in-progress list until the worker has finished with it, and a barrier made before
+        then waits on it and raises its error again, on that rank only, which would end the rank and cost the
+        cases after it."""
+        runtime.wait_for_gloo_workers()
+        self.guard.dist.barrier()
 
 
 def main(job_class: type[GradingJob], argv=None) -> None:

@@ -10,5 +10,4 @@
 
     report = gpucourse.grading.grade("ex01")    # in a notebook: shows as an HTML table
 """
-from .runner import (GradeReport, TestOutcome, add_cli, grade, grade_class, main, run_graders,  # noqa: F401
-                     run_pytest)
+from .runner import GradeReport, TestOutcome, add_cli, grade, grade_class, run_graders, run_pytest  # noqa: F401

@@ -356,14 +356,3 @@ def add_cli(subparsers) -> None:
     m = subparsers.add_parser("make-exercises", help="regenerate exercises/ from solutions/")
     m.add_argument("--check", action="store_true", help="change nothing; exit 1 if exercises/ is out of date")
     m.set_defaults(func=_cmd_make_exercises)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m gpucourse.grading grade ex01 ...`: the same as `gpucourse grade ex01 ...`."""
-    from ..cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

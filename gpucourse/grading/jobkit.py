@@ -44,6 +44,12 @@ from gpucourse.grading import comm_recorder
 
 OUTPUT_BUDGET = 10_000  # characters of the submission's own output kept per rank
 RECHECKS, RECHECK_S = 5, 0.02  # an allocation must stay alive this long (0.1 s) to count as kept
+# What a job's rank imports once, before it forks a process per submission (GradingJob.preload): torch imports
+# much on first use (a dispatch mode's or DDP's first op pulls in torch._dynamo and sympy, 800 modules), about a
+# second of CPU in every process that does it, and a batch forks a process per submission in every rank.
+PRELOAD_BASE = ("numpy.random", "torch.distributed._functional_collectives", "torch.utils.serialization")
+PRELOAD = PRELOAD_BASE + ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
+                          "torch.distributed.optim")
 GLOO_WHERE = re.compile(r"\[[^\]]*third_party/gloo[^\]]*\] ")  # gloo's source path in its error messages
 
 
@@ -206,6 +212,7 @@ class GradingJob:
     case_limit = 15.0  # seconds a case may run (--case-limit); the grader's tests pass their own
     reason = "an endless loop, or far too slow"  # what usually makes a case overrun, in the exercise's terms
     barrier_between_cases = False  # a rank that failed before a send must not meet its peers' next case
+    preload = PRELOAD  # imported before the first fork (PRELOAD_BASE where no lazy import of torch is needed)
 
     def options(self, parser: argparse.ArgumentParser) -> None:
         """Add this job's own command-line options (read back from self.args)."""
@@ -289,6 +296,8 @@ def main(job_class: type[GradingJob], argv=None) -> None:
     take (stuck where its own watchdog cannot act) is killed."""
     args = job_class().parse(argv)
     quiet_for = 3 * args.case_limit + 30
+    for name in job_class.preload:
+        importlib.import_module(name)
     for sub in range(len(args.submissions)):
         sys.stdout.flush()
         sys.stderr.flush()

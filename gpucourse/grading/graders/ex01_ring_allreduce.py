@@ -164,6 +164,7 @@ class Ex01Job(jobkit.GradingJob):
     """ex01's grading job: every case of one world size, then (--bandwidth) the timing against gloo."""
 
     name, wanted = "ex01", (FUNCTION,)
+    preload = jobkit.PRELOAD_BASE  # no dispatch mode, no DDP: nothing heavy to import
     barrier_between_cases = True  # a rank that failed before a send must not meet its peers' next case
     reason = "a deadlock (a rank waiting for a message never sent), an endless loop, or far too slow"
 

@@ -213,6 +213,7 @@ class Ex03Job(jobkit.GradingJob):
     """ex03's grading job: this machine's measurements, then every case on 2 ranks."""
 
     name, wanted = "ex03", FUNCTIONS
+    preload = jobkit.PRELOAD_BASE  # no dispatch mode, no DDP: nothing heavy to import
     case_limit = 10.0
     reason = "an endless loop, or far too slow (these are pure functions: no communication)"
 

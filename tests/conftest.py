@@ -177,7 +177,7 @@ def grade_batch(tmp_path_factory):
     per job (gpucourse/grading/records.py, Batch). Tests that use it run in the xdist group `grade-<exercise>`,
     so one worker launches each batch; the folder is shared by the session's workers all the same."""
     from gpucourse import exercises
-    from gpucourse.grading.records import BATCH_FILE
+    from gpucourse.grading.plugin import BATCH_FILE
     from tests.mutants import all_mutants
 
     base = tmp_path_factory.getbasetemp()

@@ -16,12 +16,12 @@ import pytest
 
 from gpucourse import exercises, grading
 from gpucourse.exercises import ExerciseError, generate_exercises, render_exercise, resolve
-from gpucourse.grading.records import BATCH_FILE, REPORT_SLACK, JobRecords, job_module, raw
+from gpucourse.grading.plugin import BATCH_ENV, BATCH_FILE, TIMING_ENV
+from gpucourse.grading.records import REPORT_SLACK, JobRecords, job_module, raw
+from tests.conftest import BATCH_TIMEOUT_S, graded
 
 SOLUTION = exercises.solutions_dir() / "ex01_ring_allreduce.py"
 EXERCISE = exercises.exercises_dir() / "ex01_ring_allreduce.py"
-from gpucourse.grading.plugin import BATCH_ENV, TIMING_ENV
-from tests.conftest import BATCH_TIMEOUT_S, graded
 
 
 @pytest.fixture(autouse=True)
@@ -386,7 +386,8 @@ def test_untouched_exercises_get_zero_on_every_test(name, grade_batch, monkeypat
 
 
 @pytest.mark.slow
-def test_class_grading_writes_csv_and_details(tmp_path):
+def test_class_grading_writes_csv_and_details(tmp_path, runs_dir):
+    """The class is one batch: each of ex01's jobs (one per world size) is launched once for both learners."""
     subs = tmp_path / "submissions"
     for learner, source in (("alice", SOLUTION), ("bob", EXERCISE)):
         (subs / learner).mkdir(parents=True)
@@ -401,6 +402,8 @@ def test_class_grading_writes_csv_and_details(tmp_path):
     assert bob["score"] == "0" and bob["tests_passed"] == "0" and bob["max_score"] == alice["max_score"]
     details = json.loads((tmp_path / "grades-details" / "bob.json").read_text())
     assert all("NotImplementedError" in t["reason"] or "not run" in t["reason"] for t in details["tests"])
+    launched = sorted(run.name.rsplit("-", 2)[0] for run in runs_dir.iterdir())
+    assert launched == ["grade-ex01-w1", "grade-ex01-w2", "grade-ex01-w3", "grade-ex01-w4"], launched
 
 
 MISBEHAVING = '''

@@ -23,6 +23,7 @@ TARGET_ENV = "GPUCOURSE_GRADE_TARGET"
 RESULTS_ENV = "GPUCOURSE_GRADE_RESULTS"
 TIMING_ENV = "GPUCOURSE_GRADE_TIMING"  # "score" (default) or "report"
 BATCH_ENV = "GPUCOURSE_GRADE_BATCH"  # gradings that share their jobs' launches (records.Batch)
+BATCH_FILE = "batch.json"  # in the batch folder: {"submissions": [absolute paths]}
 REASON_CHARS = 300
 
 

@@ -31,13 +31,12 @@ from gpucourse.contract import DEVICE_ENV, raw_file
 from gpucourse.launcher import launch
 from gpucourse.result import load_run
 
-from gpucourse.grading.plugin import BATCH_ENV, TIMING_ENV
+from gpucourse.grading.plugin import BATCH_ENV, BATCH_FILE, TIMING_ENV
 
 # In the test suite (TIMING_ENV=report) the limits only catch hangs and endless loops: they get this much more
 # room, so that a correct case on a machine loaded far beyond two burners is never cut off. Learners' grading keeps
 # the limits as set.
 REPORT_SLACK = 2
-BATCH_FILE = "batch.json"  # in the batch folder: {"submissions": [absolute paths]}
 
 
 class RawResultsError(Exception):
@@ -168,12 +167,14 @@ class Batch:
 
     @classmethod
     def of(cls, submission) -> "Batch | None":
-        """The batch `submission` belongs to, or None (no batch, or it is not in the batch's list)."""
+        """The batch `submission` belongs to, or None (no batch, or it is not in the batch's list). Its
+        submissions are the listed files of the same exercise (file name): a class's batch lists them all."""
         folder = os.environ.get(BATCH_ENV)
         if not folder:
             return None
+        path = Path(submission).resolve()
         listed = json.loads((Path(folder) / BATCH_FILE).read_text())["submissions"]
-        return cls(Path(folder), listed) if str(Path(submission).resolve()) in listed else None
+        return cls(Path(folder), [s for s in listed if Path(s).name == path.name]) if str(path) in listed else None
 
     def run(self, job_file, world: int, args: list[str], start):
         """The run of this job for the whole batch: launched by the first grading that needs it (start()), read

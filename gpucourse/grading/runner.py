@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .. import exercises
 from ..exercises import ExerciseError
-from .plugin import BATCH_ENV, RESULTS_ENV, TARGET_ENV
+from .plugin import BATCH_ENV, BATCH_FILE, RESULTS_ENV, TARGET_ENV
 
 GRADE_TIMEOUT_S = 900  # the whole pytest run; each job inside has its own, much shorter, limits
 REASON_CHARS = 300
@@ -182,13 +182,15 @@ def grade(exercise: str, target: str | Path = "exercises", *, timeout: float = G
 
 
 def run_graders(exercise: str, names: list[str], target, files: dict[str, Path], *,
-                timeout: float = GRADE_TIMEOUT_S) -> GradeReport:
-    """Run the graders of `names` on `target` and read back every test's outcome as a GradeReport."""
+                timeout: float = GRADE_TIMEOUT_S, batch: Path | None = None) -> GradeReport:
+    """Run the graders of `names` on `target` and read back every test's outcome as a GradeReport. `batch`: a
+    folder of gradings that share their jobs' launches (records.Batch)."""
     graders = _graders_for(names)
     _require_pytest()
     report = GradeReport(exercise, str(target), {n: str(p) for n, p in files.items()})
     start = time.monotonic()
-    data, output = run_pytest(graders, {TARGET_ENV: _target_arg(target)}, timeout)
+    env = {TARGET_ENV: _target_arg(target), **({BATCH_ENV: str(batch)} if batch else {})}
+    data, output = run_pytest(graders, env, timeout)
     report.duration = time.monotonic() - start
     if data is None:
         tail = " | ".join(output.strip().splitlines()[-3:]) or "no output"
@@ -214,7 +216,7 @@ def run_pytest(paths, env: dict, timeout: float = GRADE_TIMEOUT_S) -> tuple[dict
         batch = full_env.get(BATCH_ENV)  # a batch's runs serve all its gradings: they stay in its folder
         full_env.setdefault("GPUCOURSE_RUNS_DIR", str(Path(batch or tmp) / "runs"))
         if batch:  # the first grading of a batch launches every submission's jobs
-            timeout *= max(1, len(_read_json(Path(batch) / "batch.json")["submissions"]))
+            timeout *= max(1, len(_read_json(Path(batch) / BATCH_FILE)["submissions"]))
         # Each job has its own time limits; pytest-timeout only backs them up (the first test starts all jobs).
         plugins = ["-p", "gpucourse.grading.plugin"] + (["-p", "pytest_timeout", "-o", "timeout=600"]
                                                  if find_spec("pytest_timeout") else [])
@@ -256,6 +258,8 @@ CSV_FIELDS = ["learner", "exercise", "tests_passed", "tests_total", "score", "ma
 def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *, progress=print) -> Path:
     """Grade every learner folder of `submissions`; write one CSV row per learner and exercise.
 
+    The class is graded as one batch (records.Batch): each grading job is launched once for every learner's
+    file, each graded in a process of its own, so a class costs about one launch, not one per learner.
     Each learner's full report (every test and reason) goes to `<csv stem>-details/<learner>.json` next
     to the CSV, as each learner is graded; the CSV is written at the end. A learner whose file is missing
     or broken is graded zero, with the reason. Existing files are never overwritten: an existing CSV or
@@ -276,24 +280,35 @@ def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *,
                             "or move that folder away")
     _graders_for(names)
     details.mkdir(exist_ok=True)
-    rows = []
-    for learner in learners:
-        files = {n: exercises.target_file(learner, n) for n in names}
-        report = run_graders(exercise, names, learner, files)
-        (details / f"{learner.name}.json").write_text(json.dumps(report.to_dict(), indent=1))
-        for name in names:
-            tests = [t for t in report.tests if t.exercise == name]
-            rows.append({"learner": learner.name, "exercise": name,
-                         "tests_passed": sum(t.passed for t in tests), "tests_total": len(tests),
-                         "score": _num(sum(t.score for t in tests)),
-                         "max_score": _num(sum(t.max_score for t in tests))})
-        if progress:
-            progress(f"{learner.name}: {_num(report.score)}/{_num(report.max_score)}")
+    files = {learner: {n: exercises.target_file(learner, n) for n in names} for learner in learners}
+    if progress:
+        progress(f"grading {len(learners)} learners' {', '.join(names)}: each job runs once for the whole class "
+                 "(every file in a process of its own), so the first result comes when all jobs have run")
+    with tempfile.TemporaryDirectory(prefix="gpucourse-class-") as batch:
+        listed = [str(f.resolve()) for own in files.values() for f in own.values() if f.is_file()]
+        (Path(batch) / BATCH_FILE).write_text(json.dumps({"submissions": listed}))
+        rows = [row for learner in learners
+                for row in _grade_learner(exercise, names, learner, files[learner], details, Path(batch), progress)]
     with open(csv_path, "x", newline="") as f:  # "x": never over a file that appeared meanwhile
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
         writer.writerows(rows)
     return details
+
+
+def _grade_learner(exercise, names, learner: Path, files, details: Path, batch: Path, progress) -> list[dict]:
+    """Grade one learner of a class (from the class's batch), write their details file; their CSV rows."""
+    report = run_graders(exercise, names, learner, files, batch=batch)
+    (details / f"{learner.name}.json").write_text(json.dumps(report.to_dict(), indent=1))
+    rows = []
+    for name in names:
+        tests = [t for t in report.tests if t.exercise == name]
+        rows.append({"learner": learner.name, "exercise": name,
+                     "tests_passed": sum(t.passed for t in tests), "tests_total": len(tests),
+                     "score": _num(sum(t.score for t in tests)), "max_score": _num(sum(t.max_score for t in tests))})
+    if progress:
+        progress(f"{learner.name}: {_num(report.score)}/{_num(report.max_score)}")
+    return rows
 
 
 # --- command line ------------------------------------------------------------------------------------

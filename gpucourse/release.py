@@ -157,18 +157,30 @@ def find_leaks(files: dict[str, bytes], solutions: dict[str, Path]) -> tuple[lis
 _BUILTINS = frozenset(dir(builtins))
 
 
-def _own_attributes(unit: ast.AST) -> set[str]:
-    """Attribute names a function or class chooses itself: those it sets (`ctx.splits = ...`, `self.weight = ...`)
-    and a class body's declared fields. The rest (`x.view_as`, `dist.all_reduce`, `t.shape`) are the API a copy
-    must keep, so they stay as written."""
-    names = {n.attr for n in ast.walk(unit) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
-    if isinstance(unit, ast.ClassDef):
-        names |= {n.target.id for n in unit.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
-    return names
-
-
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _DROPPED_FIELDS = {"decorator_list", "returns", "annotation", "type_comment", "type_params", "ctx", "simple", "kind"}
+
+
+def _definitions(tree: ast.AST) -> dict[ast.AST, tuple[int, set[str]]]:
+    """{function or class: (its nodes, the attribute names it chooses itself)}, in one pass over the tree. Its own
+    attributes: those it sets (`ctx.splits = ...`, `self.weight = ...`) and a class body's declared fields. The
+    rest (`x.view_as`, `dist.all_reduce`, `t.shape`) are the API a copy must keep, so they stay as written."""
+    found = {}
+
+    def visit(node: ast.AST) -> tuple[int, set[str]]:
+        size, attributes = 1, set()
+        for child in ast.iter_child_nodes(node):
+            child_size, child_attributes = visit(child)
+            size, attributes = size + child_size, attributes | child_attributes
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            attributes = attributes | {node.attr}
+        if isinstance(node, _DEFINITIONS):
+            fields = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            found[node] = (size, attributes | fields if isinstance(node, ast.ClassDef) else attributes)
+        return size, attributes
+
+    visit(tree)
+    return found
 
 
 def _is_text(node: ast.AST) -> bool:
@@ -186,8 +198,8 @@ class _Fingerprint:
     never reach the tree). Numbers, operators, keyword names and the API's attributes stay: they are what
     unrelated code of the same size differs in. `size`: the nodes kept."""
 
-    def __init__(self, unit: ast.AST):
-        self.attributes, self.names, self.attrs, self.size = _own_attributes(unit), {}, {}, 0
+    def __init__(self, unit: ast.AST, attributes: set[str]):
+        self.attributes, self.names, self.attrs, self.size = attributes, {}, {}, 0
         self.text = self._node(unit)
 
     def _name(self, name: str) -> str:
@@ -233,15 +245,13 @@ def _units(source: str, where: str, lines: set[int] | None = None) -> list[Unit]
     except (SyntaxError, ValueError):
         return []
     units = []
-    for node in ast.walk(tree):
-        if not isinstance(node, _DEFINITIONS):
-            continue
-        if lines is not None and not any(node.lineno <= n <= node.end_lineno for n in lines):
-            continue
-        fingerprint = _Fingerprint(node)
+    for node, (size, attributes) in _definitions(tree).items():
+        if size < MIN_NODES or lines is not None and not any(node.lineno <= n <= node.end_lineno for n in lines):
+            continue  # (normalising only removes nodes)
+        fingerprint = _Fingerprint(node, attributes)
         if fingerprint.size >= MIN_NODES:
             units.append((where, node.lineno, node.name, fingerprint.text))
-    return units
+    return sorted(units)
 
 
 def solution_units(solution: Path) -> list[Unit]:
@@ -385,9 +395,9 @@ def make_release(dest: str | Path, root: Path | None = None) -> Path:
                            f"{leaks[0]}: remove them from that file, then release again")
     copies, units = find_renamed_copies(files, solutions)
     if copies:
-        raise ReleaseError(f"nothing written: {len(copies)} renamed cop(ies) of solution code would ship, first "
-                           f"{copies[0]}: load the learner's version from exercises/ (or use torch's own) "
-                           "instead, then release again")
+        raise ReleaseError(f"nothing written: renamed copies of solution code would ship ({len(copies)}), first "
+                           f"{copies[0]}: run the learner's version from exercises/ (exercises.load_for_chapter) "
+                           "or torch's own instead, then release again")
 
     manifest = _manifest(root, commit, dirty, files, written, solutions, looked_for, units)
     try:

@@ -154,9 +154,7 @@ def find_leaks(files: dict[str, bytes], solutions: dict[str, Path]) -> tuple[lis
 
 
 # --- renamed copies: solution code compared as normalised syntax trees ------------------------------
-_BUILTINS = frozenset(dir(builtins))
-
-
+_BUILTINS = frozenset(dir(builtins))  # kept as written: a copy calls the same len, range, sum
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _DROPPED_FIELDS = {"decorator_list", "returns", "annotation", "type_comment", "type_params", "ctx", "simple", "kind"}
 
@@ -246,8 +244,8 @@ def _units(source: str, where: str, lines: set[int] | None = None) -> list[Unit]
         return []
     units = []
     for node, (size, attributes) in _definitions(tree).items():
-        if size < MIN_NODES or lines is not None and not any(node.lineno <= n <= node.end_lineno for n in lines):
-            continue  # (normalising only removes nodes)
+        if size < MIN_NODES or (lines is not None and not any(node.lineno <= n <= node.end_lineno for n in lines)):
+            continue  # normalising only removes nodes: too small as written is too small normalised
         fingerprint = _Fingerprint(node, attributes)
         if fingerprint.size >= MIN_NODES:
             units.append((where, node.lineno, node.name, fingerprint.text))

@@ -28,6 +28,7 @@ chapter adds its files and needs no change here.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -103,6 +104,32 @@ def resolve(exercise_id: str) -> list[str]:
         raise ExerciseError(f"unknown exercise {exercise_id!r}: use a chapter id like ex01 or a full name; "
                             f"known exercises: {listing}")
     return found
+
+
+# --- a chapter's script running the learner's code ------------------------------------------------------
+def load_for_chapter(path: str | Path, name: str, probe) -> tuple[object | None, str]:
+    """(module, what runs): the learner's file at `path` (exercise `name`), for a chapter's script that runs the
+    exercise's pieces instead of shipping its answer. `probe(module)` calls those pieces once; while one raises
+    NotImplementedError, the reference solution stands in where the checkout has one. In a student release
+    (no solutions/) the module is None and the text says what to write."""
+    path = Path(path).resolve()
+    shown = f"{path.parent.name}/{path.name}"  # exercises/... or, in CI's smoke runs, solutions/...
+
+    def load(file: Path):
+        spec = importlib.util.spec_from_file_location(f"chapter_{name}", file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    module = load(path)
+    try:
+        probe(module)
+        return module, shown
+    except NotImplementedError as err:
+        reference = solution_files().get(name)
+        if reference is None:
+            return None, f"not written yet in {shown} ({err}): write it, then rerun"
+        return load(reference), f"the reference solution, {shown} is not written yet"
 
 
 # --- what a submission must provide ---------------------------------------------------------------

@@ -11,12 +11,17 @@ scripts/, data/ and the project files — and nothing of solutions/ or tests/.
 - Notebooks whose smoke parameters (metadata `gpucourse.smoke`, for CI) point into ../solutions/ point at
   the exercise instead; the scripts and notebooks fall back on a solution only where one exists.
 - Before anything is written, every file of the release is searched for the distinctive lines of every
-  solution (the code its exercise replaces with a stub): one found, and nothing is written.
+  solution (the code its exercise replaces with a stub), and every function and class of its Python (the code
+  cells of notebooks included) is compared, as a normalised syntax tree, with the solutions' functions,
+  methods and classes that hold such code, so that a copy with other names and docstrings is found too: one
+  found, and nothing is written.
 - DIR must be new or empty and outside the checkout; nothing is ever deleted or overwritten. RELEASE.txt in
   DIR records the source commit and what was left out.
 """
 from __future__ import annotations
 
+import ast
+import builtins
 import datetime
 import json
 import subprocess
@@ -33,6 +38,12 @@ SKIPPED_DIRS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache"}
 GRADERS = "gpucourse/grading/graders"
 MANIFEST = "RELEASE.txt"
 MIN_LINE_CHARS = 40  # a solution line this long, absent from its exercise, is distinctive (shorter ones are idioms)
+# A function or class this large (nodes of its normalised tree: names, constants, operations) is compared with the
+# solutions'; a smaller one is an idiom that unrelated code shares: ex06's ParallelMLP.forward,
+# `return self.fc2(F.gelu(self.fc1(x)))`, 15 nodes, is also every dense MLP's forward in the chapters. A body of
+# 3-5 short lines is about 20; the smallest solution methods (CopyToParallel's forward, 14) are checked as part
+# of their class (51).
+MIN_NODES = 20
 
 
 class ReleaseError(ValueError):
@@ -142,6 +153,148 @@ def find_leaks(files: dict[str, bytes], solutions: dict[str, Path]) -> tuple[lis
     return leaks, looked_for
 
 
+# --- renamed copies: solution code compared as normalised syntax trees ------------------------------
+_BUILTINS = frozenset(dir(builtins))  # kept as written: a copy calls the same len, range, sum
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_DROPPED_FIELDS = {"decorator_list", "returns", "annotation", "type_comment", "type_params", "ctx", "simple", "kind"}
+
+
+def _definitions(tree: ast.AST) -> dict[ast.AST, tuple[int, set[str]]]:
+    """{function or class: (its nodes, the attribute names it chooses itself)}, in one pass over the tree. Its own
+    attributes: those it sets (`ctx.splits = ...`, `self.weight = ...`) and a class body's declared fields. The
+    rest (`x.view_as`, `dist.all_reduce`, `t.shape`) are the API a copy must keep, so they stay as written."""
+    found = {}
+
+    def visit(node: ast.AST) -> tuple[int, set[str]]:
+        size, attributes = 1, set()
+        for child in ast.iter_child_nodes(node):
+            child_size, child_attributes = visit(child)
+            size, attributes = size + child_size, attributes | child_attributes
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            attributes = attributes | {node.attr}
+        if isinstance(node, _DEFINITIONS):
+            fields = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            found[node] = (size, attributes | fields if isinstance(node, ast.ClassDef) else attributes)
+        return size, attributes
+
+    visit(tree)
+    return found
+
+
+def _is_text(node: ast.AST) -> bool:
+    """A statement that is only a string (a docstring, or a comment written as one) or a bare annotation."""
+    if isinstance(node, ast.AnnAssign):
+        return node.value is None
+    return isinstance(node, ast.Expr) and (isinstance(node.value, ast.JoinedStr) or (
+        isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)))
+
+
+class _Fingerprint:
+    """A function's or class's syntax tree as text, with what a renamed copy changes taken out: names (variables,
+    arguments, functions, classes) and the unit's own attributes become placeholders numbered by first
+    appearance; every string becomes the same empty string; docstrings, annotations and decorators go (comments
+    never reach the tree). Numbers, operators, keyword names and the API's attributes stay: they are what
+    unrelated code of the same size differs in. `size`: the nodes kept."""
+
+    def __init__(self, unit: ast.AST, attributes: set[str]):
+        self.attributes, self.names, self.attrs, self.size = attributes, {}, {}, 0
+        self.text = self._node(unit)
+
+    def _name(self, name: str) -> str:
+        return name if name in _BUILTINS else self.names.setdefault(name, f"n{len(self.names)}")
+
+    def _node(self, node: ast.AST) -> str:
+        self.size += 1
+        if isinstance(node, ast.Name):
+            return self._name(node.id)
+        if isinstance(node, ast.arg):
+            return f"arg({self._name(node.arg)})"
+        if isinstance(node, ast.JoinedStr) or isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return "''"
+        if isinstance(node, ast.Constant):
+            return repr(node.value)
+        if isinstance(node, ast.Attribute):
+            attr = (self.attrs.setdefault(node.attr, f"a{len(self.attrs)}") if node.attr in self.attributes
+                    else node.attr)
+            return f"{self._node(node.value)}.{attr}"
+        parts = []
+        for field, value in ast.iter_fields(node):
+            if field in _DROPPED_FIELDS:
+                continue
+            if field == "name" and isinstance(value, str) and not isinstance(node, ast.alias):  # not an import's
+                parts.append(self._name(value))
+            elif isinstance(value, list):
+                parts.append("[" + ",".join(self._node(v) if isinstance(v, ast.AST) else repr(v)
+                                            for v in value if not _is_text(v)) + "]")
+            else:
+                parts.append(self._node(value) if isinstance(value, ast.AST) else repr(value))
+        kind = "Assign" if isinstance(node, ast.AnnAssign) else type(node).__name__  # `x: int = 1` is `x = 1`
+        return f"{kind}({','.join(parts)})"
+
+
+Unit = tuple[str, int, str, str]  # (where, line, name, fingerprint)
+
+
+def _units(source: str, where: str, lines: set[int] | None = None) -> list[Unit]:
+    """Every function, method and class of `source` with at least MIN_NODES nodes once normalised, as
+    (where, line, name, fingerprint); only those that span one of `lines`, when given. Unparsable code: none."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    units = []
+    for node, (size, attributes) in _definitions(tree).items():
+        if size < MIN_NODES or (lines is not None and not any(node.lineno <= n <= node.end_lineno for n in lines)):
+            continue  # normalising only removes nodes: too small as written is too small normalised
+        fingerprint = _Fingerprint(node, attributes)
+        if fingerprint.size >= MIN_NODES:
+            units.append((where, node.lineno, node.name, fingerprint.text))
+    return sorted(units)
+
+
+def solution_units(solution: Path) -> list[Unit]:
+    """The functions, methods and classes of a solution that hold fenced code: what an exercise asks for."""
+    source, fenced, inside = solution.read_text(), set(), False
+    for number, line in enumerate(source.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith(BEGIN) or stripped.startswith(END):
+            inside = stripped.startswith(BEGIN)
+        elif inside:
+            fenced.add(number)
+    return _units(source, f"solutions/{solution.name}", lines=fenced)
+
+
+def shipped_units(rel: str, data: bytes) -> list[Unit]:
+    """The functions and classes of a shipped Python file, or of a notebook's code cells (IPython's magic lines
+    blanked, so a %%writefile cell is read as the script it writes)."""
+    if rel.endswith(".py"):
+        return _units(data.decode(errors="replace"), rel)
+    if not rel.endswith(".ipynb"):
+        return []
+    units = []
+    for i, cell in enumerate(json.loads(data).get("cells", [])):
+        if cell.get("cell_type") == "code":
+            source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+            code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+            units += _units(code, f"{rel} cell {i}")
+    return units
+
+
+def find_renamed_copies(files: dict[str, bytes], solutions: dict[str, Path]) -> tuple[list[str], int]:
+    """(["where:line `name` is a renamed copy of solutions/X.py `name`", ...], how many solution units were
+    looked for): shipped functions and classes whose normalised syntax tree equals that of a solution's function,
+    method or class holding fenced code. Unlike the distinctive lines, this finds a solution whose names,
+    docstring, comments and messages were changed."""
+    wanted = {}
+    for path in solutions.values():
+        for where, _, name, fingerprint in solution_units(path):
+            wanted.setdefault(fingerprint, f"{where} `{name}`")
+    copies = [f"{where}:{line} `{name}` is a renamed copy of {wanted[fingerprint]}"
+              for rel, data in files.items() for where, line, name, fingerprint in shipped_units(rel, data)
+              if fingerprint in wanted]
+    return copies, len(wanted)
+
+
 # --- where it goes ---------------------------------------------------------------------------------
 def _check_destination(dest: Path, root: Path) -> Path:
     dest = dest.expanduser().resolve()
@@ -171,7 +324,7 @@ def _left_out(root: Path) -> list[str]:
 
 
 def _manifest(root: Path, commit: str, dirty: list[str], files: dict[str, bytes], written: list[str],
-              solutions: dict[str, Path], looked_for: int) -> str:
+              solutions: dict[str, Path], looked_for: int, units: int) -> str:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     shown = ", ".join(dirty[:10]) + (f" and {len(dirty) - 10} more" if len(dirty) > 10 else "")
     state = (f"with uncommitted changes in {len(dirty)} shipped path(s): {shown}" if dirty else
@@ -191,7 +344,10 @@ def _manifest(root: Path, commit: str, dirty: list[str], files: dict[str, bytes]
               "from), `make bench` has no benchmarks to run, `gpucourse grade EX --target solutions` refuses, and",
               "`make test` has no tests to run (grade with `gpucourse grade EX`).", "",
               f"checked before writing: no file holds any of the {looked_for} distinctive lines of the solutions",
-              f"(fenced solution code of at least {MIN_LINE_CHARS} characters that is not in its exercise).", ""]
+              f"(fenced solution code of at least {MIN_LINE_CHARS} characters that is not in its exercise),",
+              f"and no function or class is a renamed copy of any of the {units} functions, methods and classes",
+              "of the solutions that hold fenced code (syntax trees compared with names, strings, docstrings",
+              f"and annotations normalised; units of at least {MIN_NODES} nodes).", ""]
     return "\n".join(lines)
 
 
@@ -235,8 +391,13 @@ def make_release(dest: str | Path, root: Path | None = None) -> Path:
     if leaks:
         raise ReleaseError(f"nothing written: {len(leaks)} line(s) of solution code would ship, first "
                            f"{leaks[0]}: remove them from that file, then release again")
+    copies, units = find_renamed_copies(files, solutions)
+    if copies:
+        raise ReleaseError(f"nothing written: renamed copies of solution code would ship ({len(copies)}), first "
+                           f"{copies[0]}: run the learner's version from exercises/ (exercises.load_for_chapter) "
+                           "or torch's own instead, then release again")
 
-    manifest = _manifest(root, commit, dirty, files, written, solutions, looked_for)
+    manifest = _manifest(root, commit, dirty, files, written, solutions, looked_for, units)
     try:
         dest.mkdir(parents=True, exist_ok=True)
         for rel, data in files.items():

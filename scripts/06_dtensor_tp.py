@@ -13,8 +13,6 @@ with full_tensor(), yours against the matching slices).
 """
 import argparse
 import copy
-import importlib.util
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,10 +21,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn import functional as F
 
-from gpucourse import runtime
-
-SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "ex06_tensor_parallel.py"  # not in a release
-EXERCISE = Path(__file__).resolve().parents[1] / "exercises" / "ex06_tensor_parallel.py"
+from gpucourse import exercises, runtime
 
 
 class MLP(nn.Module):
@@ -54,27 +49,10 @@ def run(model, x, gy) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return y, x.grad, counts
 
 
-def load_impl(path: Path):
-    spec = importlib.util.spec_from_file_location("tp_impl", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def yours(path: Path, dense: MLP):
-    """(ParallelMLP or None, which file it came from, why the reference stands in (or nothing does) or None)."""
-    try:
-        return load_impl(path).ParallelMLP.from_dense(dense.fc1, dense.fc2), path.name, None
-    except NotImplementedError as err:
-        if not SOLUTION.is_file():  # a student release (`gpucourse release`) ships no solutions/
-            return None, path.name, f"not implemented yet ({err}); solutions are not part of this release"
-        return load_impl(SOLUTION).ParallelMLP.from_dense(dense.fc1, dense.fc2), "reference solution", \
-            f"not implemented yet ({err})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", default=str(EXERCISE), help="the file defining ParallelMLP (exercise ex06)")
+    parser.add_argument("--impl", default=str(exercises.exercises_dir() / "ex06_tensor_parallel.py"),
+                        help="the file defining ParallelMLP (exercise ex06)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=64)
@@ -96,22 +74,24 @@ def main() -> None:
                        "fc1.weight.grad": max_diff(tp.fc1.weight.grad.full_tensor(), dense.fc1.weight.grad),
                        "fc2.weight.grad": max_diff(tp.fc2.weight.grad.full_tensor(), dense.fc2.weight.grad)})
 
-    mine, source, why = yours(Path(args.impl), dense)
-    if mine is None:
-        runtime.log(case="yours", source=source, fallback=why, comms={}, diffs={})
+    impl, source = exercises.load_for_chapter(args.impl, "ex06_tensor_parallel",
+                                              lambda m: m.ParallelMLP.from_dense(dense.fc1, dense.fc2))
+    if impl is None:
+        runtime.log(case="yours", source=source, comms={}, diffs={})
         if ctx.rank == 0:
-            print(f"dense and DTensor compared on {ctx.world_size} rank(s); {source}: {why}", flush=True)
+            print(f"dense and DTensor compared on {ctx.world_size} rank(s); yours: {source}", flush=True)
         runtime.teardown()
         return
+    mine = impl.ParallelMLP.from_dense(dense.fc1, dense.fc2)
     y_mine, gx_mine, mine_counts = run(mine, x, gy)
     part = slice(ctx.rank * ffn // ctx.world_size, (ctx.rank + 1) * ffn // ctx.world_size)
-    runtime.log(case="yours", source=source, fallback=why, comms=mine_counts,
+    runtime.log(case="yours", source=source, comms=mine_counts,
                 diffs={"Y": max_diff(y_mine, y_dense), "x.grad": max_diff(gx_mine, gx_dense),
                        "fc1.weight.grad": max_diff(mine.fc1.weight.grad, dense.fc1.weight.grad[part]),
                        "fc2.weight.grad": max_diff(mine.fc2.weight.grad, dense.fc2.weight.grad[:, part]),
                        "Y vs DTensor": max_diff(y_mine, y_tp)})
     if ctx.rank == 0:
-        print(f"dense, DTensor and {source} compared on {ctx.world_size} rank(s)", flush=True)
+        print(f"dense, DTensor and yours ({source}) compared on {ctx.world_size} rank(s)", flush=True)
     runtime.teardown()
 
 

@@ -9,6 +9,9 @@ all_reduce and all_gather:
   mlp        Megatron's MLP: f, column-parallel fc1, GELU, row-parallel fc2, g; forward and backward
   mlp-no-f   the same without f: each rank's input gradient is only its own part of the sum
   attention  causal self-attention, heads split over the ranks: column-parallel QKV, row-parallel output projection
+f and g are exercise ex06's CopyToParallel and ReduceFromParallel, from --impl (the learner's file). While they
+raise NotImplementedError the reference solution stands in; in a student release the three block cases are left
+out until they are written, and the "impl" record says which ran.
 """
 import argparse
 
@@ -17,7 +20,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from gpucourse import runtime
+from gpucourse import exercises, runtime
+
+GROUP = None  # f and g communicate over every rank (the default group)
 
 
 class CommCounter:
@@ -46,33 +51,12 @@ class CommCounter:
         return calls
 
 
-# --- the conjugate operators f and g (Megatron-LM, Shoeybi et al. 2019) -------------------------------
-class CopyToTP(torch.autograd.Function):
-    """f: identity in forward; all-reduce (sum) of the gradient in backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)  # each rank holds one term of dL/dX: sum them
-        return grad
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce (sum) in forward; identity in backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        x = x.contiguous().clone()
-        dist.all_reduce(x)  # each rank holds one term of Y: sum them
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad  # every term of the sum gets the same gradient
+# --- the conjugate operators f and g (Megatron-LM, Shoeybi et al. 2019): exercise ex06's -----------------
+def probe_f_and_g(impl) -> None:
+    """f's backward and g's forward once, on one number: raises NotImplementedError while either is a stub."""
+    x = torch.ones(1, requires_grad=True)
+    impl.CopyToParallel.apply(x, GROUP).sum().backward()
+    impl.ReduceFromParallel.apply(x.detach(), GROUP)
 
 
 def gather_last(y: torch.Tensor) -> torch.Tensor:
@@ -138,18 +122,18 @@ class DenseMLP(nn.Module):
 class TPMLP(nn.Module):
     """Column-parallel fc1, GELU on this rank's slice, row-parallel fc2: f before, g after."""
 
-    def __init__(self, dense: DenseMLP, use_f: bool = True):
+    def __init__(self, dense: DenseMLP, impl, use_f: bool = True):
         super().__init__()
         part = my_part(dense.fc1.out_features)
         self.w1, self.b1 = shard(dense.fc1.weight, part, 0), shard(dense.fc1.bias, part, 0)
         self.w2, self.b2 = shard(dense.fc2.weight, part, 1), nn.Parameter(dense.fc2.bias.detach().clone())
-        self.use_f = use_f
+        self.f, self.g = (impl.CopyToParallel if use_f else None), impl.ReduceFromParallel
 
     def forward(self, x):
-        if self.use_f:
-            x = CopyToTP.apply(x)
+        if self.f:
+            x = self.f.apply(x, GROUP)
         z = F.gelu(F.linear(x, self.w1, self.b1))  # (…, ffn / N): no communication needed for GELU
-        return ReduceFromTP.apply(F.linear(z, self.w2)) + self.b2
+        return self.g.apply(F.linear(z, self.w2), GROUP) + self.b2
 
 
 def grads_vs_dense(tp: TPMLP, dense: DenseMLP) -> dict:
@@ -160,11 +144,11 @@ def grads_vs_dense(tp: TPMLP, dense: DenseMLP) -> dict:
             "fc2.bias.grad": max_diff(tp.b2.grad, dense.fc2.bias.grad)}
 
 
-def case_mlp(x, gy, h, ffn, counter, use_f=True):
+def case_mlp(x, gy, h, ffn, counter, impl, use_f=True):
     dense = DenseMLP(h, ffn)
     xd = x.clone().requires_grad_()
     dense(xd).backward(gy)
-    tp, xs = TPMLP(dense, use_f), x.clone().requires_grad_()
+    tp, xs = TPMLP(dense, impl, use_f), x.clone().requires_grad_()
     counter.phase = "forward"
     y = tp(xs)
     counter.phase = "backward"
@@ -198,8 +182,9 @@ class TPAttention(nn.Module):
     """This rank's heads: the rows of Wq, Wk, Wv that produce them (column-parallel), the matching columns of
     the output projection (row-parallel). Attention itself needs nothing from the other heads."""
 
-    def __init__(self, dense: DenseAttention):
+    def __init__(self, dense: DenseAttention, impl):
         super().__init__()
+        self.f, self.g = impl.CopyToParallel, impl.ReduceFromParallel
         h = dense.out.in_features
         self.heads = dense.heads // dist.get_world_size()
         part = my_part(h)
@@ -209,15 +194,15 @@ class TPAttention(nn.Module):
         self.w_out, self.b_out = shard(dense.out.weight, part, 1), nn.Parameter(dense.out.bias.detach().clone())
 
     def forward(self, x):
-        q, k, v = F.linear(CopyToTP.apply(x), self.w_qkv, self.b_qkv).chunk(3, dim=-1)
-        return ReduceFromTP.apply(F.linear(attend(q, k, v, self.heads), self.w_out)) + self.b_out
+        q, k, v = F.linear(self.f.apply(x, GROUP), self.w_qkv, self.b_qkv).chunk(3, dim=-1)
+        return self.g.apply(F.linear(attend(q, k, v, self.heads), self.w_out), GROUP) + self.b_out
 
 
-def case_attention(x, gy, h, heads, counter):
+def case_attention(x, gy, h, heads, counter, impl):
     dense = DenseAttention(h, heads)
     xd = x.clone().requires_grad_()
     dense(xd).backward(gy)
-    tp, xs = TPAttention(dense), x.clone().requires_grad_()
+    tp, xs = TPAttention(dense, impl), x.clone().requires_grad_()
     counter.phase = "forward"
     y = tp(xs)
     counter.phase = "backward"
@@ -233,6 +218,8 @@ def case_attention(x, gy, h, heads, counter):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", default=str(exercises.exercises_dir() / "ex06_tensor_parallel.py"),
+                        help="the file defining CopyToParallel and ReduceFromParallel (exercise ex06)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=64)
@@ -243,6 +230,8 @@ def main() -> None:
     for name, size in (("hidden", h), ("heads", args.heads)):
         if size % n:
             raise ValueError(f"--{name} {size} is not divisible by the world size {n}: choose a multiple of {n}")
+    impl, source = exercises.load_for_chapter(args.impl, "ex06_tensor_parallel", probe_f_and_g)
+    runtime.log(case="impl", source=source)
     counter = CommCounter()
     gen = torch.Generator().manual_seed(1)  # the same input and upstream gradient on every rank
     x = torch.randn(args.batch, args.seq, h, generator=gen)
@@ -250,16 +239,17 @@ def main() -> None:
     x_ffn = torch.randn(args.batch, args.seq, ffn, generator=gen)
     activation_bytes = x.numel() * x.element_size()
     cases = {"column": lambda: case_column(x, h, ffn, counter),
-             "row": lambda: case_row(x_ffn, h, ffn, counter),
-             "mlp": lambda: case_mlp(x, gy, h, ffn, counter),
-             "mlp-no-f": lambda: case_mlp(x, gy, h, ffn, counter, use_f=False),
-             "attention": lambda: case_attention(x, gy, h, args.heads, counter)}
+             "row": lambda: case_row(x_ffn, h, ffn, counter)}
+    if impl is not None:  # the blocks need f and g
+        cases |= {"mlp": lambda: case_mlp(x, gy, h, ffn, counter, impl),
+                  "mlp-no-f": lambda: case_mlp(x, gy, h, ffn, counter, impl, use_f=False),
+                  "attention": lambda: case_attention(x, gy, h, args.heads, counter, impl)}
     for case, run in cases.items():
         torch.manual_seed(2)  # the same dense weights on every rank
         runtime.log(case=case, activation_bytes=activation_bytes, batch=args.batch, seq=args.seq, hidden=h,
                     ffn=ffn, **run())
     if ctx.rank == 0:
-        print(f"{n} rank(s): {len(cases)} cases checked against the dense layers", flush=True)
+        print(f"{n} rank(s): {len(cases)} cases checked against the dense layers; f and g: {source}", flush=True)
     runtime.teardown()
 
 

@@ -15,6 +15,10 @@ Every rank builds the same MoE layer (a router and E expert MLPs) from a fixed s
 token 0's k choices, then token 1's, ...) or "choice" (GShard: every token's first choice before any second
 choice). Check records count the first choices each rule drops on this rank's routing.
 
+The capacity rule and the all-to-all are exercise ex11's kept_assignments and AllToAll, from --impl (the
+learner's file): the reference solution stands in while they raise NotImplementedError; a student release has
+none, and the script stops saying what to write. Every record names which ran ("impl").
+
 Routers: "learned" (the router's own logits), "skewed" (the same plus a large bias towards a few experts,
 the collapse that the load-balancing loss fights), "uniform" (a perfectly balanced assignment, round robin:
 the routing the volume formula assumes).
@@ -22,13 +26,13 @@ the routing the volume formula assumes).
 import argparse
 import copy
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
-from gpucourse import costs, runtime
+from gpucourse import costs, exercises, runtime
 
 
 class CommCounter:
@@ -57,11 +61,12 @@ class CommCounter:
 # --- the MoE layer -------------------------------------------------------------------------------------
 class MoE(nn.Module):
     """Router (linear, softmax, top-k) and E expert MLPs. The weights of a token's k experts are their router
-    probabilities (not renormalised), so the router gets a gradient through the output."""
+    probabilities (not renormalised), so the router gets a gradient through the output. `ex11`: exercise ex11's
+    module, whose kept_assignments is the capacity rule and whose AllToAll the expert-parallel layer sends with."""
 
-    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int):
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, ex11):
         super().__init__()
-        self.top_k, self.num_experts = top_k, num_experts
+        self.top_k, self.num_experts, self.ex11 = top_k, num_experts, ex11
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
                                      for _ in range(num_experts))
@@ -90,26 +95,23 @@ def load_balancing_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int
 PRIORITIES = ("token", "choice")
 
 
-def kept_mask(ids: torch.Tensor, num_experts: int, capacity: int | None, priority: str = "token") -> torch.Tensor:
+def kept_mask(moe: MoE, ids: torch.Tensor, capacity: int | None, priority: str = "token") -> torch.Tensor:
     """(T, k): an assignment is kept when fewer than `capacity` earlier ones chose its expert. "Earlier":
     priority "token" reads the assignments row-major (token 0's k choices, then token 1's, ...), so a token's
     second choice can take a place before a later token's first choice; "choice" reads them column-major (every
     token's first choice, then every second choice: GShard's rule). Either way an expert keeps min(capacity,
-    assignments to it): the rule changes which are dropped, not how many."""
+    assignments to it): the rule changes which are dropped, not how many. Token order is ex11's kept_assignments;
+    first choices first is the same count on the transposed ids."""
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
-    if capacity is None:
-        return torch.ones_like(ids, dtype=torch.bool)
-    ordered = ids if priority == "token" else ids.t()
-    flat = ordered.reshape(-1)
-    place = F.one_hot(flat, num_experts).cumsum(0).gather(1, flat[:, None]).squeeze(1) - 1
-    kept = (place < capacity).reshape(ordered.shape)
-    return kept if priority == "token" else kept.t().contiguous()
+    if priority == "token":
+        return moe.ex11.kept_assignments(ids, moe.num_experts, capacity)
+    return moe.ex11.kept_assignments(ids.t().contiguous(), moe.num_experts, capacity).t().contiguous()
 
 
 def moe_single(moe: MoE, x, ids, weights, capacity, priority="token"):
     """The layer in one process: each kept assignment through its expert, weighted, summed per token."""
-    kept = kept_mask(ids, moe.num_experts, capacity, priority)
+    kept = kept_mask(moe, ids, capacity, priority)
     y = torch.zeros_like(x)
     for e, expert in enumerate(moe.experts):
         t, j = ((ids == e) & kept).nonzero(as_tuple=True)
@@ -119,24 +121,6 @@ def moe_single(moe: MoE, x, ids, weights, capacity, priority="token"):
 
 
 # --- expert parallelism: dispatch, local experts, combine ---------------------------------------------
-class AllToAll(torch.autograd.Function):
-    """all_to_all_single with split sizes; backward sends the gradient back (the splits swapped)."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        out = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return out, None, None, None
-
-
 def moe_expert_parallel(moe: MoE, x, ids, weights, capacity, group=None, mistake=None, expert_time=None,
                         priority="token"):
     """This rank's tokens through the experts spread over `group`: (output, kept mask, rows per expert here).
@@ -144,7 +128,7 @@ def moe_expert_parallel(moe: MoE, x, ids, weights, capacity, group=None, mistake
     n, r = dist.get_world_size(group), dist.get_rank(group)
     E, k = moe.num_experts, ids.shape[1]
     per = E // n
-    kept = kept_mask(ids, E, capacity, priority)
+    kept = kept_mask(moe, ids, capacity, priority)
     flat = ids.reshape(-1)
     idx = kept.reshape(-1).nonzero().squeeze(1)
     order = idx[torch.sort(flat[idx], stable=True).indices]             # kept assignments grouped by expert
@@ -156,7 +140,7 @@ def moe_expert_parallel(moe: MoE, x, ids, weights, capacity, group=None, mistake
         dist.all_to_all_single(recv_per_expert, send_per_expert, group=group)
     send_splits = send_per_expert.view(n, per).sum(1).tolist()
     recv_splits = recv_per_expert.view(n, per).sum(1).tolist()
-    local = AllToAll.apply(x[order // k], recv_splits, send_splits, group)            # dispatch
+    local = moe.ex11.AllToAll.apply(x[order // k], recv_splits, send_splits, group)     # dispatch
     local_ids = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(n), recv_per_expert)
     t0 = time.perf_counter()
     out = torch.zeros_like(local)
@@ -167,7 +151,7 @@ def moe_expert_parallel(moe: MoE, x, ids, weights, capacity, group=None, mistake
         if x.device.type == "cuda":
             torch.cuda.synchronize()
         expert_time.append(time.perf_counter() - t0)
-    back = AllToAll.apply(out, send_splits, recv_splits, group)                       # combine
+    back = moe.ex11.AllToAll.apply(out, send_splits, recv_splits, group)                # combine
     placed = torch.zeros(flat.numel(), x.shape[1], device=x.device, dtype=x.dtype)
     if mistake == "wrong-order":                                        # back in the order sent (by expert)
         placed = torch.cat([back, placed[back.shape[0]:]])
@@ -180,9 +164,16 @@ def moe_expert_parallel(moe: MoE, x, ids, weights, capacity, group=None, mistake
 
 
 # --- the runs ------------------------------------------------------------------------------------------
-def build(args, dev):
+def build(args, dev, ex11):
     torch.manual_seed(args.seed)  # the same layer on every rank
-    return MoE(args.hidden, args.ffn, args.experts, args.top_k).to(dev)
+    return MoE(args.hidden, args.ffn, args.experts, args.top_k, ex11).to(dev)
+
+
+def probe_ex11(ex11, dev) -> None:
+    """kept_assignments and AllToAll once, one row to each rank: raises NotImplementedError while either is a stub."""
+    n = dist.get_world_size()
+    ex11.kept_assignments(torch.zeros(1, 1, dtype=torch.long, device=dev), 1, 1)
+    ex11.AllToAll.apply(torch.zeros(n, 1, device=dev), [1] * n, [1] * n, None)
 
 
 def tokens_of(source: int, args, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +196,7 @@ def grads(moe: MoE, experts) -> dict:
     return out
 
 
-def check(args, ctx, counter, dev, router, capacity_factor, group=None, dp_group=None, sources=None,
+def check(args, ctx, counter, dev, ex11, router, capacity_factor, group=None, dp_group=None, sources=None,
           priority="token"):
     """Expert parallel over `group` vs one process on the tokens of `sources` (every rank in the 1-D case)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
@@ -213,7 +204,7 @@ def check(args, ctx, counter, dev, router, capacity_factor, group=None, dp_group
     per = args.experts // n
     capacity = costs.moe_capacity(args.tokens, args.top_k, args.experts, capacity_factor) \
         if capacity_factor > 0 else None
-    ref_moe = build(args, dev)
+    ref_moe = build(args, dev, ex11)
     ref = {}
     for s in sources:  # the single-process layer, on every source rank's tokens, each with its own capacity
         x, gy = tokens_of(s, args, dev)
@@ -223,7 +214,7 @@ def check(args, ctx, counter, dev, router, capacity_factor, group=None, dp_group
         (y * gy).sum().backward()
         ref[s] = {"y": y.detach(), "x.grad": x.grad, "kept": kept, "ids": ids,
                   "aux": load_balancing_loss(probs, ids, args.experts).item()}
-    moe = build(args, dev)
+    moe = build(args, dev, ex11)
     me = ctx.rank
     x, gy = tokens_of(me, args, dev)
     x = x.requires_grad_()
@@ -244,7 +235,7 @@ def check(args, ctx, counter, dev, router, capacity_factor, group=None, dp_group
              "router.grad": max_diff(got.pop("router.weight"), want.pop("router.weight")),
              "experts' grads": max(max_diff(got[k], want[k]) for k in got)}
     dropped = int((~kept).sum())
-    first_kept = {p: kept_mask(ids, args.experts, capacity, p)[:, 0] for p in PRIORITIES}  # same routing, both rules
+    first_kept = {p: kept_mask(moe, ids, capacity, p)[:, 0] for p in PRIORITIES}  # same routing, both rules
     return {"diffs": diffs, "dropped": dropped, "priority": priority,
             "first_choices_dropped": {p: int((~k).sum()) for p, k in first_kept.items()},
             "first_choices_only_token_drops": int((~first_kept["token"] & first_kept["choice"]).sum()), "dropped_single": int((~ref[me]["kept"]).sum()),
@@ -256,11 +247,11 @@ def check(args, ctx, counter, dev, router, capacity_factor, group=None, dp_group
             "formula_bytes": costs.expert_parallel_all_to_all_bytes(args.tokens, args.top_k, args.hidden, n, 4)}
 
 
-def timing(args, ctx, dev):
+def timing(args, ctx, dev, ex11):
     """Median step time (forward + backward) of the expert-parallel layer, the median time this rank's experts
     took in forward, and the rows they processed."""
     capacity = None  # every assignment is processed: imbalance shows as work, not as drops
-    moe = build(args, dev)
+    moe = build(args, dev, ex11)
     x, gy = tokens_of(ctx.rank, args, dev)
     times, rows, expert_s = [], None, []
     for step in range(args.warmup + args.steps):
@@ -282,6 +273,8 @@ def timing(args, ctx, dev):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", default=str(exercises.exercises_dir() / "ex11_expert_parallel.py"),
+                        help="the file defining kept_assignments and AllToAll (exercise ex11)")
     parser.add_argument("--mode", choices=("check", "timing", "mistake", "mesh"), default="check")
     parser.add_argument("--router", nargs="+", choices=("learned", "skewed", "uniform"), default=["learned"],
                         help="check mode: one case per router and capacity factor; other modes: the first")
@@ -310,27 +303,31 @@ def main() -> None:
     if args.experts % ep:
         raise ValueError(f"--experts {args.experts} is not divisible by the expert-parallel size {ep}: "
                          f"choose a multiple of {ep}")
+    ex11, source = exercises.load_for_chapter(args.impl, "ex11_expert_parallel", partial(probe_ex11, dev=dev))
+    if ex11 is None:
+        raise SystemExit(f"this chapter's layer runs exercise ex11's kept_assignments and AllToAll: {source}")
+    log = partial(runtime.log, impl=source)  # every record says whose ex11 pieces ran
     counter = CommCounter()
     if args.mode == "timing":
-        runtime.log(case=f"timing-{args.router[0]}", router=args.router[0], **timing(args, ctx, dev))
+        log(case=f"timing-{args.router[0]}", router=args.router[0], **timing(args, ctx, dev, ex11))
     elif args.mode == "mesh":
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(dev.type, (args.dp, ep), mesh_dim_names=("dp", "ep"))
         ep_group, dp_group = mesh.get_group("ep"), mesh.get_group("dp")
         # the reference: one process on the tokens of this rank's expert-parallel group
         ep_ranks = dist.get_process_group_ranks(ep_group)
-        rec = check(args, ctx, counter, dev, args.router[0], args.capacity_factor[0], group=ep_group,
+        rec = check(args, ctx, counter, dev, ex11, args.router[0], args.capacity_factor[0], group=ep_group,
                     dp_group=dp_group, sources=list(range(ctx.world_size)))
-        runtime.log(case="mesh", mesh=mesh.mesh.tolist(), ep_ranks=ep_ranks,
+        log(case="mesh", mesh=mesh.mesh.tolist(), ep_ranks=ep_ranks,
                     dp_ranks=dist.get_process_group_ranks(dp_group), **rec)
     elif args.mode == "check":
         for router in args.router:
             for factor in args.capacity_factor:
-                runtime.log(case="check", router=router, capacity_factor=factor,
-                            **check(args, ctx, counter, dev, router, factor, priority=args.priority))
+                log(case="check", router=router, capacity_factor=factor,
+                    **check(args, ctx, counter, dev, ex11, router, factor, priority=args.priority))
     else:
-        runtime.log(case=f"mistake-{args.mistake}", router=args.router[0],
-                    **check(args, ctx, counter, dev, args.router[0], args.capacity_factor[0]))
+        log(case=f"mistake-{args.mistake}", router=args.router[0],
+            **check(args, ctx, counter, dev, ex11, args.router[0], args.capacity_factor[0]))
     if ctx.rank == 0:
         print(f"{ctx.world_size} rank(s): {args.mode} done ({', '.join(args.router)} router)", flush=True)
     runtime.teardown()

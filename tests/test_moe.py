@@ -1,20 +1,34 @@
-"""Chapter 11's capacity rules (scripts/11_moe.py, kept_mask): which assignments an expert over capacity keeps."""
+"""Chapter 11's capacity rules (scripts/11_moe.py, kept_mask, on ex11's reference kept_assignments): which
+assignments an expert over capacity keeps."""
 import importlib.util
 
 import pytest
 import torch
+
+from gpucourse import exercises
 
 from .conftest import ROOT
 
 EXPERTS, TOKENS, TOP_K = 8, 64, 2
 
 
-@pytest.fixture(scope="module")
-def moe():
-    spec = importlib.util.spec_from_file_location("moe_11", ROOT / "scripts" / "11_moe.py")
+def load(name: str, path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return load("moe_11", ROOT / "scripts" / "11_moe.py")
+
+
+@pytest.fixture(scope="module")
+def layers(moe):
+    """{number of experts: a small MoE layer whose capacity rule is ex11's reference kept_assignments}."""
+    ex11 = load("ex11_reference", exercises.solution_files()["ex11_expert_parallel"])
+    return {e: moe.MoE(4, 4, e, TOP_K, ex11) for e in (2, EXPERTS)}
 
 
 def routing(seed: int, skew: float) -> torch.Tensor:
@@ -28,9 +42,9 @@ CASES = [(seed, skew, capacity) for seed in range(6) for skew in (0.0, 2.0) for 
 
 
 @pytest.mark.parametrize("seed, skew, capacity", CASES)
-def test_choice_priority_never_drops_a_first_choice_while_a_later_choice_is_kept(moe, seed, skew, capacity):
+def test_choice_priority_never_drops_a_first_choice_while_a_later_choice_is_kept(moe, layers, seed, skew, capacity):
     ids = routing(seed, skew)
-    kept = moe.kept_mask(ids, EXPERTS, capacity, "choice")
+    kept = moe.kept_mask(layers[EXPERTS], ids, capacity, "choice")
     for e in range(EXPERTS):
         first_dropped = ((ids[:, 0] == e) & ~kept[:, 0]).any()
         later_kept = ((ids[:, 1:] == e) & kept[:, 1:]).any()
@@ -38,28 +52,29 @@ def test_choice_priority_never_drops_a_first_choice_while_a_later_choice_is_kept
 
 
 @pytest.mark.parametrize("seed, skew, capacity", CASES)
-def test_both_rules_keep_the_same_number_per_expert(moe, seed, skew, capacity):
+def test_both_rules_keep_the_same_number_per_expert(moe, layers, seed, skew, capacity):
     """The rule changes which assignments are dropped, never how many: min(capacity, demand) per expert."""
     ids = routing(seed, skew)
     demand = torch.bincount(ids.reshape(-1), minlength=EXPERTS)
     for priority in ("token", "choice"):
-        kept = moe.kept_mask(ids, EXPERTS, capacity, priority)
+        kept = moe.kept_mask(layers[EXPERTS], ids, capacity, priority)
         got = torch.bincount(ids[kept], minlength=EXPERTS)
         assert torch.equal(got, demand.clamp(max=capacity)), priority
 
 
-def test_token_order_lets_a_second_choice_displace_another_tokens_first(moe):
+def test_token_order_lets_a_second_choice_displace_another_tokens_first(moe, layers):
     """Two experts of capacity 1: token 0 picks (0, 1), token 1 picks (1, 0)."""
     ids = torch.tensor([[0, 1], [1, 0]])
-    token = moe.kept_mask(ids, 2, 1, "token")
-    choice = moe.kept_mask(ids, 2, 1, "choice")
+    token = moe.kept_mask(layers[2], ids, 1, "token")
+    choice = moe.kept_mask(layers[2], ids, 1, "choice")
     assert token.tolist() == [[True, True], [False, False]]  # token 0's second choice took expert 1's place
     assert choice.tolist() == [[True, False], [True, False]]  # every first choice kept, both second choices dropped
 
 
-def test_rules_agree_with_top_1_and_without_capacity(moe):
+def test_rules_agree_with_top_1_and_without_capacity(moe, layers):
     ids = routing(0, 2.0)
-    assert torch.equal(moe.kept_mask(ids[:, :1], EXPERTS, 4, "token"), moe.kept_mask(ids[:, :1], EXPERTS, 4, "choice"))
-    assert moe.kept_mask(ids, EXPERTS, None, "choice").all()
+    layer = layers[EXPERTS]
+    assert torch.equal(moe.kept_mask(layer, ids[:, :1], 4, "token"), moe.kept_mask(layer, ids[:, :1], 4, "choice"))
+    assert moe.kept_mask(layer, ids, None, "choice").all()
     with pytest.raises(ValueError, match="priority"):
-        moe.kept_mask(ids, EXPERTS, 4, "random")
+        moe.kept_mask(layer, ids, 4, "random")

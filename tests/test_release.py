@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpucourse import exercises
+from gpucourse import exercises, release as release_module
 
 ROOT = exercises.course_root()
 SOLUTIONS = exercises.solution_files()
@@ -158,6 +158,67 @@ def test_notebooks_and_scripts_of_the_release_use_no_solution(release):
         for line in script.read_text().splitlines():  # a script may fall back on a solution only where one exists
             if "solutions" in line and "default=" in line:
                 pytest.fail(f"{script.name} defaults to a solution: {line.strip()}")
+
+
+# --- renamed copies of a solution ------------------------------------------------------------------
+# ex11's kept_assignments with every name, the docstring, the comments and the annotations changed: the verbatim
+# lines miss it (none of its lines is the solution's), and a learner reading it has the answer.
+RENAMED_COPY = """\
+import torch
+
+
+def which_to_keep(choices, n_experts, room):
+    \"\"\"Keep an assignment while its expert has room.\"\"\"
+    queue_of = choices.reshape(-1)
+    if room is None:  # unlimited
+        return torch.ones_like(choices, dtype=torch.bool)
+    position = torch.nn.functional.one_hot(queue_of, n_experts).cumsum(0).gather(1, queue_of[:, None]).squeeze(1) - 1
+    return (position < room).reshape(choices.shape)
+"""
+# The same shape and size, doing something else (a running count per bucket, from 1): not flagged.
+UNRELATED = """\
+import torch
+
+
+def bucket_counts(values, n_buckets, limit):
+    flat = values.reshape(-1)
+    if limit is None:
+        return torch.zeros_like(values, dtype=torch.long)
+    counts = torch.nn.functional.one_hot(flat, n_buckets).cumsum(1).sum(1).clamp(0, limit) + 1
+    return (counts > limit).reshape(values.shape)
+"""
+
+
+def course_copy(dest: Path) -> Path:
+    """What a release is made from: the shipped files and solutions/ (no .git: the commit reads "unknown")."""
+    for entry in (*release_module.SHIPPED, "solutions"):
+        source = ROOT / entry
+        if source.is_dir():
+            shutil.copytree(source, dest / entry, ignore=shutil.ignore_patterns("__pycache__", ".*"))
+        else:
+            shutil.copy(source, dest / entry)
+    return dest
+
+
+def test_a_renamed_copy_of_a_solution_is_refused(tmp_path):
+    course = course_copy(tmp_path / "course")
+    (course / "scripts" / "99_planted.py").write_text(RENAMED_COPY)
+    with pytest.raises(release_module.ReleaseError) as refused:
+        release_module.make_release(tmp_path / "out", root=course)
+    message = str(refused.value)
+    assert "nothing written: renamed copies of solution code" in message, message
+    assert "scripts/99_planted.py:4 `which_to_keep`" in message, message
+    assert "solutions/ex11_expert_parallel.py `kept_assignments`" in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unrelated_function_of_the_same_size_is_not_flagged():
+    copies, looked_for = release_module.find_renamed_copies({"scripts/a.py": UNRELATED.encode(),
+                                                             "scripts/b.py": RENAMED_COPY.encode()}, SOLUTIONS)
+    assert looked_for > 20 and [c.split(" `")[0] for c in copies] == ["scripts/b.py:4"], copies
+    (_, _, _, unrelated), = release_module.shipped_units("scripts/a.py", UNRELATED.encode())  # large enough to count
+    (_, _, _, copied), = release_module.shipped_units("scripts/b.py", RENAMED_COPY.encode())
+    assert unrelated != copied
 
 
 # --- refusals ------------------------------------------------------------------------------------------

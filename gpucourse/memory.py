@@ -161,7 +161,7 @@ class MemoryCalculator:
         return {"optimizer": self.optimizer.value, "precision": self.precision.value, "offload": self.offload.value}
 
     def update(self) -> None:
-        from .widgets import _show
+        from .widgets import show_in
 
         psi, n = self.params.value, self.world.value
         self.rows = stages_table(psi, n, **self.settings())
@@ -172,7 +172,7 @@ class MemoryCalculator:
                    f"{OPTIMIZER_LABELS[self.optimizer.value]}, {PRECISION_LABELS[self.precision.value]} "
                    f"({per['param_bytes']} + {per['grad_bytes']} + {per['optimizer_bytes']} bytes/parameter)"))
         self.summary.value = self.describe()
-        _show(self.out, [self.figure])
+        show_in(self.out, [self.figure])
 
     def describe(self) -> str:
         """The chosen stage in one paragraph (HTML): memory, whether it fits, the largest model, communication."""

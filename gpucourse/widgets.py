@@ -264,12 +264,12 @@ class ScalingSimulator:
         style = {"description_width": "170px"}
         wide = w.Layout(width="560px")
         # step=None on the log sliders: any value, so the browser does not snap the starting value to a grid
-        # (with ipywidgets' default step of 0.1 in the exponent, 8.8 ms showed as 7.94 ms).
+        # (ipywidgets' default step of 0.1 in the exponent snaps 8.8 ms to 7.94 ms).
         self.params = w.FloatLogSlider(value=m.get("grad_bytes", 4 * 25.6e6) / 4, base=10, min=5, max=12, step=None,
                                        description="parameters", readout_format=".3g", style=style, layout=wide)
         self.grad_dtype = w.Dropdown(options=[("fp32 (4 B)", 4), ("bf16 / fp16 (2 B)", 2)], value=4,
                                      description="gradient element", style=style,
-                                     layout=w.Layout(width="360px"))  # at the default 300 px, "bf16 / fp16 (2 B)" was cut
+                                     layout=w.Layout(width="360px"))  # the default 300 px cuts "bf16 / fp16 (2 B)"
         self.compute_ms = w.FloatLogSlider(value=1e3 * m.get("compute_s", 0.1), base=10, min=-1, max=7, step=None,
                                            description="compute per step (ms)", readout_format=".3g",
                                            style=style, layout=wide)
@@ -286,7 +286,7 @@ class ScalingSimulator:
         self.backward = w.FloatSlider(value=m.get("backward_fraction", costs.BACKWARD_FRACTION), min=0, max=1,
                                       step=1e-4, description="backward fraction", readout_format=".2f",
                                       tooltip="backward's share of compute per step: what overlap can hide behind",
-                                      style=style, layout=wide)  # "backward share of compute" was cut at 170 px
+                                      style=style, layout=wide)  # a short description: 170 px cuts a longer one
         self.overlap_cost = w.FloatSlider(value=m.get("overlap_cost", 0.0), min=0, max=1, step=1e-4,
                                           description="overlap cost", readout_format=".2f", style=style,
                                           layout=wide)  # 0: hidden comm is free (GPU); 1: it costs compute fully

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from .contract import SCRIPT_ARGS_ENV, attempt_dir, rank_file
+from .contract import SCRIPT_ARGS_ENV, attempt_dir, rank_file, root_rank
 from .procs import descendants, terminate
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
@@ -194,32 +194,6 @@ def _bind_stores_to_loopback() -> None:
     dynamic_rendezvous.DynamicRendezvousHandler.use_agent_store = property(lambda self: True)
 
 
-PEER_REPORTS = ("remote worker", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
-# How torchrun stops the ranks still running once one has failed (SIGTERM, then SIGKILL after its grace
-# period), and what it forwards when it is stopped itself. A rank ended by one of these did not fail.
-STOP_SIGNALS = ("SIGTERM", "SIGKILL", "SIGINT", "SIGHUP")
-
-
-def blame_key(failure: dict) -> tuple:
-    """Sort key of an exit file's failure records: the first one is the root cause (see _root_rank)."""
-    stopped = failure.get("signal") in STOP_SIGNALS
-    peer_report = any(text in json.dumps(failure["message"]) for text in PEER_REPORTS)
-    return (stopped, peer_report, failure["timestamp"], not isinstance(failure["message"], dict), failure["rank"])
-
-
-def _root_rank(failures: list[dict]) -> int:
-    """The rank that failed first *by itself*, from the exit file's failure records.
-
-    torchrun orders by timestamps of one-second resolution, so ties are common, and a rank that
-    aborts (SIGABRT) or crashes (SIGSEGV) ties with the innocent ranks torchrun then SIGTERMs. So:
-    first the ranks that failed on their own (an exception, a crash signal, a non-zero exit code),
-    then those that only report a peer's death (gloo: "typically caused by a remote worker
-    crashing"), then those torchrun stopped; within each, the earliest, one with a traceback, the
-    lowest rank.
-    """
-    return min(failures, key=blame_key)["rank"]
-
-
 def main(argv: list[str]) -> int:
     exit_file, torchrun_args = Path(argv[0]), argv[argv.index("--") + 1:]
     parent = os.getppid()
@@ -248,7 +222,7 @@ def main(argv: list[str]) -> int:
         torchrun.run(args)
     except ChildFailedError as err:
         failures = [_failure_record(r, f) for r, f in sorted(err.failures.items())]
-        record = {"status": "failed", "root_rank": _root_rank(failures), "failures": failures}
+        record = {"status": "failed", "root_rank": root_rank(failures), "failures": failures}
         code = 1
     except BaseException as err:  # SignalException, rendezvous errors, bad torchrun arguments
         record = {"status": "agent_error", "failures": [], "message": f"{type(err).__name__}: {err}"}

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from .argtypes import positive_int, positive_seconds
+
 EXIT_CODES = {"ok": 0, "failed": 1, "timeout": 124, "stalled": 124, "interrupted": 130}
 # Modules that add their own subcommands with add_cli(subparsers), kept out of this file.
 PLUGINS = ("gpucourse.grading.runner", "gpucourse.course", "gpucourse.slurm", "gpucourse.release", "gpucourse.gpu_check")
@@ -75,26 +77,6 @@ def _hardware(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
-
-
 class UsageError(ValueError):
     """A command-line request that cannot be carried out as given (checked by the CLI itself)."""
 
@@ -127,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script")
     p.add_argument("-n", "--nproc", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--backend", default="auto", help="auto (default), gloo, nccl or mpi")
-    p.add_argument("--timeout", type=_positive_float, help="stop the job after S seconds")
-    p.add_argument("--stall-timeout", type=_positive_float, help="stop when no rank logs anything for S seconds")
+    p.add_argument("--timeout", type=positive_seconds, help="stop the job after S seconds")
+    p.add_argument("--stall-timeout", type=positive_seconds, help="stop when no rank logs anything for S seconds")
     p.add_argument("--name", help="run name (default: the script's name)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes; >1 without --rdzv-endpoint simulates them here")
     p.add_argument("--node-rank", type=int, default=0)
@@ -140,12 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="hardware report and a smoke all-reduce job")
     p.add_argument("-n", "--nproc", type=int, default=2)
     p.add_argument("--backend", default="auto")
-    p.add_argument("--timeout", type=_positive_float, default=120.0)
+    p.add_argument("--timeout", type=positive_seconds, default=120.0)
     p.set_defaults(func=_doctor)
 
     p = sub.add_parser("runs", help="list runs with status and duration")
     p.add_argument("--dir", help="runs directory (default: runs/ or $GPUCOURSE_RUNS_DIR)")
-    p.add_argument("--last", type=_positive_int, default=30, help="show the last N runs (default 30)")
+    p.add_argument("--last", type=positive_int, default=30, help="show the last N runs (default 30)")
     p.set_defaults(func=_runs)
 
     p = sub.add_parser("hardware", help="what this machine has and what the launcher would choose")

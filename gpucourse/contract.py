@@ -31,7 +31,7 @@ The `-node<k>` suffix appears only when one launch starts several agents (nnodes
 
 Exit file (JSON, written atomically by the agent when torchrun returns):
     status     'ok', 'failed' (some rank exited non-zero) or 'agent_error' (torchrun itself failed)
-    root_rank  ('failed' only) the global rank that failed first by itself (agent._root_rank)
+    root_rank  ('failed' only) the global rank that failed first by itself (root_rank, below)
     failures   one record per failed rank, by rank: rank, local_rank, exitcode (negative: -signal),
                pid, signal (name, or '<N/A>'), timestamp (seconds), message (a string, or
                {"message", "traceback"} when the rank left an error file)
@@ -39,6 +39,7 @@ Exit file (JSON, written atomically by the agent when torchrun returns):
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -86,6 +87,33 @@ def exit_file(run_dir: Path, suffix: str = "") -> Path:
 
 def exit_files(run_dir: Path) -> list[Path]:
     return sorted(Path(run_dir).glob("exit*.json"))
+
+
+# Who failed first: how an exit file's failure records are read.
+PEER_REPORTS = ("remote worker", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# How torchrun stops the ranks still running once one has failed (SIGTERM, then SIGKILL after its grace
+# period), and what it forwards when it is stopped itself. A rank ended by one of these did not fail.
+STOP_SIGNALS = ("SIGTERM", "SIGKILL", "SIGINT", "SIGHUP")
+
+
+def blame_key(failure: dict) -> tuple:
+    """Sort key of an exit file's failure records: the first one is the root cause (see root_rank)."""
+    stopped = failure.get("signal") in STOP_SIGNALS
+    peer_report = any(text in json.dumps(failure["message"]) for text in PEER_REPORTS)
+    return (stopped, peer_report, failure["timestamp"], not isinstance(failure["message"], dict), failure["rank"])
+
+
+def root_rank(failures: list[dict]) -> int:
+    """The rank that failed first *by itself*, from the exit file's failure records.
+
+    torchrun orders by timestamps of one-second resolution, so ties are common, and a rank that
+    aborts (SIGABRT) or crashes (SIGSEGV) ties with the innocent ranks torchrun then SIGTERMs. So:
+    first the ranks that failed on their own (an exception, a crash signal, a non-zero exit code),
+    then those that only report a peer's death (gloo: "typically caused by a remote worker
+    crashing"), then those torchrun stopped; within each, the earliest, one with a traceback, the
+    lowest rank.
+    """
+    return min(failures, key=blame_key)["rank"]
 
 
 def logs_dir(run_dir: Path) -> Path:

@@ -532,7 +532,7 @@ PEAK_DENSE_TFLOPS = {
     "NVIDIA H100 PCIe": DevicePeak(
         {"bf16": 1513 / 2, "fp16": 1513 / 2, "tf32": 756 / 2, "fp32": 51.0, "fp8": 3026 / 2},
         f"{_H100_DATASHEET}, H100 PCIe column; printed: FP32 51, TF32 756*, BF16 1,513*, FP16 1,513*, FP8 3,026*"),
-    "NVIDIA H100 NVL": DevicePeak(  # per GPU (the datasheet once printed the figures of a pair of NVL cards)
+    "NVIDIA H100 NVL": DevicePeak(  # per GPU (some datasheet versions print a pair of NVL cards' figures)
         {"bf16": 1671 / 2, "fp16": 1671 / 2},
         f"{_H100_DATASHEET}, H100 NVL column, per GPU; printed: BF16 1,671*, FP16 1,671*; its other rates are not "
         "listed here (not confirmed): pass peak="),

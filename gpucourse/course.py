@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .argtypes import positive_seconds
 from .paths import project_root
 
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
@@ -244,13 +245,11 @@ def _cli(args) -> int:
 
 
 def add_cli(sub) -> None:
-    from .cli import _positive_float
-
     p = sub.add_parser("course", help="execute the chapter notebooks in order (papermill)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, as in CI")
     p.add_argument("--only", nargs="+", metavar="NAME", help="notebooks to run, e.g. 00 01_collectives")
     p.add_argument("--output", type=Path, help="folder for executed notebooks (default: executed/)")
-    p.add_argument("--cell-timeout", type=_positive_float, default=600, help="seconds per cell (default 600)")
+    p.add_argument("--cell-timeout", type=positive_seconds, default=600, help="seconds per cell (default 600)")
     p.add_argument("--refresh-checked", action="store_true",
                    help="maintainers: store the outputs of NBVAL_CHECK_OUTPUT cells back into the sources")
     p.set_defaults(func=_cli)

@@ -26,6 +26,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .argtypes import positive_int, positive_seconds
 from .paths import project_root
 
 ROOT = project_root() or Path.cwd()
@@ -981,8 +982,6 @@ def _epoch(text: str) -> float:
 
 
 def add_cli(sub) -> None:
-    from .cli import _positive_float, _positive_int
-
     p = sub.add_parser("gpu-check", help="run the course's GPU paths on this machine's GPU and write a dated report")
     p.add_argument("--only", nargs="+", metavar="CHECK", help="run only these checks, in this order (see --list)")
     p.add_argument("--list", action="store_true", help="list the checks and exit")
@@ -990,9 +989,9 @@ def add_cli(sub) -> None:
                    help="sizes for the notebooks check (default: smoke)")
     p.add_argument("--notebook", nargs="+", metavar="PREFIX",
                    help="only the notebooks whose name starts so, run in this order")
-    p.add_argument("--notebook-workers", type=_positive_int, default=1,
+    p.add_argument("--notebook-workers", type=positive_int, default=1,
                    help="notebooks executed at once (default 1)")
-    p.add_argument("--budget", type=_positive_float, metavar="S",
+    p.add_argument("--budget", type=positive_seconds, metavar="S",
                    help="start no check (nor notebook) once S seconds are spent, or when the check would not fit; "
                         "the report lists the ones not started")
     p.add_argument("--deadline", type=_epoch, metavar="EPOCH",

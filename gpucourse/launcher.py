@@ -69,7 +69,7 @@ def _check_script(script) -> Path:
     return path.resolve()
 
 
-def _check_args(args) -> list[str]:
+def script_args(args) -> list[str]:
     """The script's arguments as strings: numbers and paths are converted, anything else is refused."""
     if not isinstance(args, (list, tuple)):
         raise LaunchConfigError(f"args must be a list of strings, e.g. args=['--steps', '10'], not {args!r}")
@@ -233,7 +233,7 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
     node_rank = _check_int("node_rank", node_rank, 0, nnodes - 1)
     max_restarts = _check_int("max_restarts", max_restarts, 0, 100)
     timeout, stall_timeout = _check_seconds("timeout", timeout), _check_seconds("stall_timeout", stall_timeout)
-    args = _check_args(args)
+    args = script_args(args)
     if name is not None and not isinstance(name, str):
         raise LaunchConfigError(f"name must be a string (the run's name) or None, not {name!r}")
     if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and k for k in env)):

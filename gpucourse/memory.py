@@ -128,7 +128,7 @@ class MemoryCalculator:
 
         style, wide = {"description_width": f"{DESCRIPTION_PX}px"}, w.Layout(width="560px")
         # step=None: any value, so the browser keeps the given one (the default step of 0.1 in the exponent
-        # showed 7.5e9 as 7.94e9, and every figure computed from it was off by 6 %).
+        # snaps 7.5e9 to 7.94e9, 6 % off).
         self.params = w.FloatLogSlider(value=num_params, base=10, min=6, max=12, step=None, description="parameters",
                                        readout_format=".3g", style=style, layout=wide)
         self.world = w.SelectionSlider(options=WORLD_SIZES, value=world_size, description="world size (GPUs)",
@@ -142,7 +142,7 @@ class MemoryCalculator:
                                     description="optimizer", style=style, layout=fits)
         self.precision = w.Dropdown(options=[(v, k) for k, v in PRECISION_LABELS.items()], value=precision,
                                     description="precision", style=style, layout=fits)
-        # wide: at the default 300 px, less the 150 px indent, its label was cut to "offload to CPU (..."
+        # wide: the default 300 px, less the 150 px indent, cuts the label to "offload to CPU (..."
         self.offload = w.Checkbox(value=offload, description="offload to CPU (ZeRO-Offload)", style=style,
                                   layout=wide)
         self.device_gb = w.BoundedFloatText(value=device_gb, min=1, max=10_000, description="GB per device",
@@ -161,7 +161,7 @@ class MemoryCalculator:
         return {"optimizer": self.optimizer.value, "precision": self.precision.value, "offload": self.offload.value}
 
     def update(self) -> None:
-        from .widgets import _show
+        from .widgets import show_in
 
         psi, n = self.params.value, self.world.value
         self.rows = stages_table(psi, n, **self.settings())
@@ -172,7 +172,7 @@ class MemoryCalculator:
                    f"{OPTIMIZER_LABELS[self.optimizer.value]}, {PRECISION_LABELS[self.precision.value]} "
                    f"({per['param_bytes']} + {per['grad_bytes']} + {per['optimizer_bytes']} bytes/parameter)"))
         self.summary.value = self.describe()
-        _show(self.out, [self.figure])
+        show_in(self.out, [self.figure])
 
     def describe(self) -> str:
         """The chosen stage in one paragraph (HTML): memory, whether it fits, the largest model, communication."""

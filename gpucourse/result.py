@@ -16,9 +16,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .agent import STOP_SIGNALS, blame_key
-from .contract import (EVENT_TEARDOWN, MANIFEST, RUNTIME_EVENTS, STREAMS, exit_files, manifest_file, metrics_files,
-                       rank_log, traces_dir)
+from .contract import (EVENT_TEARDOWN, MANIFEST, RUNTIME_EVENTS, STOP_SIGNALS, STREAMS, blame_key, exit_files,
+                       manifest_file, metrics_files, rank_log, traces_dir)
 from .paths import runs_root
 
 STATUS_TEXT = {"ok": "finished", "failed": "failed", "timeout": "timed out", "stalled": "stalled",

@@ -105,10 +105,10 @@ def sbatch_script(script, *, nodes: int, gpus_per_node: int, procs_per_node: int
         raise SlurmConfigError(f"script {script} is a directory: give the path of a Python file in it")
     if not path.is_file():
         raise SlurmConfigError(f"script not found: {script}")
-    from .launcher import LaunchConfigError, _check_args
+    from .launcher import LaunchConfigError, script_args
 
     try:
-        args = _check_args(args)  # the launcher's rule: strings, numbers and paths
+        args = script_args(args)  # the launcher's rule: strings, numbers and paths
     except LaunchConfigError as err:
         raise SlurmConfigError(str(err)) from None
     job_name = _check_name("job name", job_name) or slug(path.stem)

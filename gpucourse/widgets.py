@@ -11,7 +11,7 @@ all-reduce time that the backward pass does not hide (ring all-reduce in buckets
 model: no stragglers, no data loading, one flat ring (NCCL switches to trees and hierarchical rings at scale,
 so at thousands of GPUs the ring's 2(N−1)·α latency term overstates real latency).
 
-Both widgets draw into an Output by setting its outputs (one list, see _show), not with `with out:`, so they
+Both widgets draw into an Output by setting its outputs (one list, see show_in), not with `with out:`, so they
 work the same in JupyterLab, under papermill and in plain Python (tests), from any thread.
 """
 from __future__ import annotations
@@ -150,12 +150,12 @@ def _png(fig):
     return Image(data=buf.getvalue(), format="png")
 
 
-def _show(out, figures=(), text: str = "") -> None:
+def show_in(out, figures=(), text: str = "") -> None:
     """Replace what `out` shows: the figures, then the text (monospace). Safe from any thread.
 
     One assignment of the whole list, not a clear followed by appends: with ipykernel 7 and JupyterLab 4.4+, a
     widget's messages from the browser are handled on a kernel subshell, in another thread than the cell, so two
-    redraws can run at once, and clear, clear, append, append showed the plot twice."""
+    redraws can run at once, and clear, clear, append, append would show the plot twice."""
     from IPython.core.interactiveshell import InteractiveShell
 
     fmt = InteractiveShell.instance().display_formatter.format
@@ -215,7 +215,7 @@ class RunExplorer:
         if not values:
             self.analysis, self.figures = None, []
             root = Path(self.runs_dir) if self.runs_dir else "the runs directory"
-            _show(self.out, text=f"No run with traces in {root} yet: launch a script that profiles its steps "
+            show_in(self.out, text=f"No run with traces in {root} yet: launch a script that profiles its steps "
                                  "(runtime.profile, as chapter 03's scripts/03_ddp_train.py), then press Refresh.")
         elif self.dropdown.value != kept or not self.figures:
             self.show(self.dropdown.value)
@@ -229,12 +229,12 @@ class RunExplorer:
             self.analysis = analyze_run(run_dir, name=name)
         except TraceError as err:
             self.analysis, self.figures = None, []
-            _show(self.out, text=f"cannot analyse {Path(run_dir).name}: {err}")
+            show_in(self.out, text=f"cannot analyse {Path(run_dir).name}: {err}")
             return
         from . import timeline
 
         self.figures = [timeline.timeline_plot(self.analysis), timeline.breakdown_plot(self.analysis)]
-        _show(self.out, self.figures, self.analysis.summary())
+        show_in(self.out, self.figures, self.analysis.summary())
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
@@ -264,12 +264,12 @@ class ScalingSimulator:
         style = {"description_width": "170px"}
         wide = w.Layout(width="560px")
         # step=None on the log sliders: any value, so the browser does not snap the starting value to a grid
-        # (with ipywidgets' default step of 0.1 in the exponent, 8.8 ms showed as 7.94 ms).
+        # (ipywidgets' default step of 0.1 in the exponent snaps 8.8 ms to 7.94 ms).
         self.params = w.FloatLogSlider(value=m.get("grad_bytes", 4 * 25.6e6) / 4, base=10, min=5, max=12, step=None,
                                        description="parameters", readout_format=".3g", style=style, layout=wide)
         self.grad_dtype = w.Dropdown(options=[("fp32 (4 B)", 4), ("bf16 / fp16 (2 B)", 2)], value=4,
                                      description="gradient element", style=style,
-                                     layout=w.Layout(width="360px"))  # at the default 300 px, "bf16 / fp16 (2 B)" was cut
+                                     layout=w.Layout(width="360px"))  # the default 300 px cuts "bf16 / fp16 (2 B)"
         self.compute_ms = w.FloatLogSlider(value=1e3 * m.get("compute_s", 0.1), base=10, min=-1, max=7, step=None,
                                            description="compute per step (ms)", readout_format=".3g",
                                            style=style, layout=wide)
@@ -286,7 +286,7 @@ class ScalingSimulator:
         self.backward = w.FloatSlider(value=m.get("backward_fraction", costs.BACKWARD_FRACTION), min=0, max=1,
                                       step=1e-4, description="backward fraction", readout_format=".2f",
                                       tooltip="backward's share of compute per step: what overlap can hide behind",
-                                      style=style, layout=wide)  # "backward share of compute" was cut at 170 px
+                                      style=style, layout=wide)  # a short description: 170 px cuts a longer one
         self.overlap_cost = w.FloatSlider(value=m.get("overlap_cost", 0.0), min=0, max=1, step=1e-4,
                                           description="overlap cost", readout_format=".2f", style=style,
                                           layout=wide)  # 0: hidden comm is free (GPU); 1: it costs compute fully
@@ -368,7 +368,7 @@ class ScalingSimulator:
                    f"{self.compute_ms.value:.3g} ms compute/step ({self.backward.value:.0%} backward), "
                    f"{self.bucket_mb.value:.3g} MiB buckets\n{link}"))
         self.summary.value = self.describe()
-        _show(self.out, [self.figure])
+        show_in(self.out, [self.figure])
 
     def describe(self) -> str:
         """One paragraph (HTML) on the chosen curve: where it turns communication-bound, the largest N."""

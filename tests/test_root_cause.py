@@ -9,8 +9,7 @@ import time
 import psutil
 import pytest
 
-from gpucourse.agent import _root_rank
-from gpucourse.contract import RUN_DIR_ENV
+from gpucourse.contract import RUN_DIR_ENV, root_rank
 from gpucourse.launcher import launch
 
 from .conftest import JOBS
@@ -99,12 +98,12 @@ def test_root_rank_order_without_processes():
     """The exit record of the failure first seen in the wild, and its neighbours, ordered without a job."""
     sigterm, sigkill = (-15, "SIGTERM"), (-9, "SIGKILL")
     abort = _failure(1, -6, "SIGABRT")
-    assert _root_rank([_failure(0, *sigterm), abort, _failure(2, *sigterm), _failure(3, *sigterm)]) == 1
+    assert root_rank([_failure(0, *sigterm), abort, _failure(2, *sigterm), _failure(3, *sigterm)]) == 1
     # Stopped after torchrun's grace period (SIGKILL), or reporting the peer: still not the root cause.
     peer = {"message": "RuntimeError: Connection closed by peer [127.0.0.1]:1234", "traceback": "..."}
-    assert _root_rank([_failure(0, 1, message=peer, timestamp=99), _failure(1, *sigkill), _failure(2, 3)]) == 2
+    assert root_rank([_failure(0, 1, message=peer, timestamp=99), _failure(1, *sigkill), _failure(2, 3)]) == 2
     # A crash beats an earlier-stopped rank; among failures of the same kind the earliest wins.
-    assert _root_rank([_failure(0, *sigterm, timestamp=90), _failure(2, -11, "SIGSEGV")]) == 2
-    assert _root_rank([_failure(0, -11, "SIGSEGV", timestamp=101), _failure(2, -6, "SIGABRT")]) == 2
+    assert root_rank([_failure(0, *sigterm, timestamp=90), _failure(2, -11, "SIGSEGV")]) == 2
+    assert root_rank([_failure(0, -11, "SIGSEGV", timestamp=101), _failure(2, -6, "SIGABRT")]) == 2
     # Only stopped ranks (someone killed the job's rank from outside): the earliest, then the lowest.
-    assert _root_rank([_failure(0, *sigterm), _failure(2, *sigkill, timestamp=99)]) == 2
+    assert root_rank([_failure(0, *sigterm), _failure(2, *sigkill, timestamp=99)]) == 2

@@ -34,7 +34,7 @@ from gpucourse.result import load_run
 from gpucourse.grading.plugin import BATCH_ENV, BATCH_FILE, TIMING_ENV
 
 # In the test suite (TIMING_ENV=report) the limits only catch hangs and endless loops: they get this much more
-# room, so that a correct case on a machine loaded far beyond two burners is never cut off. Learners' grading keeps
+# room, so that a correct case on a machine loaded far beyond its cores is never cut off. Learners' grading keeps
 # the limits as set.
 REPORT_SLACK = 2
 

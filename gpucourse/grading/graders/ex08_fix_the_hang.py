@@ -247,8 +247,7 @@ class Ex08Job(jobkit.GradingJob):
 
     def prepare(self) -> None:
         # The first optimizer a process creates imports torch's compiler stack (5 s or more on a busy machine), and
-        # the first forward and backward warm up autograd: pay for them here, not inside a case's time limit (the
-        # reference the rank used to compute before the import did this).
+        # the first forward and backward warm up autograd: pay for them here, not inside a case's time limit.
         net = make_net()
         opt = make_optimizer(net)
         mse_loss(net(torch.zeros(1, 6)), torch.zeros(1, 1)).backward()

@@ -205,3 +205,28 @@ def grade_batch(tmp_path_factory):
         return folder
 
     return batch
+
+
+@pytest.fixture(scope="session")
+def graded_batch(grade_batch):
+    """graded_batch(exercise) -> {submission: GradeReport} for every submission of the exercise's batch, named by
+    its folder ("solutions", "exercises", each mutant's name, "solution_after_the_mutants"): all graded in one
+    pytest run (runner.grade_targets) over the batch's shared launches, the reports kept in the batch's folder for
+    every worker. Call it with GPUCOURSE_GRADE_TIMING=report set, as every grading of the suite is."""
+    from gpucourse.grading.plugin import BATCH_FILE
+    from gpucourse.grading.runner import GradeReport, grade_targets
+
+    def reports(exercise: str) -> dict:
+        folder = grade_batch(exercise)
+        done = folder / "reports.json"
+        with open(folder.parent / f"{exercise}.reports.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.exists():
+                subs = [Path(s) for s in json.loads((folder / BATCH_FILE).read_text())["submissions"]]
+                got = grade_targets(exercise, [exercise], [(s, {exercise: s}) for s in subs],
+                                    timeout=BATCH_TIMEOUT_S, batch=folder)
+                done.write_text(json.dumps({s.parent.name: r.to_dict() for s, r in zip(subs, got)}))
+        return {name: GradeReport.from_dict(d) for name, d in json.loads(done.read_text()).items()}
+
+    return reports
+

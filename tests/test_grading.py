@@ -16,7 +16,7 @@ import pytest
 
 from gpucourse import exercises, grading
 from gpucourse.exercises import ExerciseError, generate_exercises, render_exercise, resolve
-from gpucourse.grading.plugin import BATCH_ENV, BATCH_FILE, TIMING_ENV
+from gpucourse.grading.plugin import BATCH_ENV, BATCH_FILE, TIMING_ENV, plain_name
 from gpucourse.grading.records import REPORT_SLACK, JobRecords, job_module, raw
 from tests.conftest import BATCH_TIMEOUT_S, graded
 
@@ -376,9 +376,8 @@ def test_solutions_get_full_marks_and_gradescope_file(name, tmp_path, grade_batc
 
 
 @pytest.mark.parametrize("name", [pytest.param("ex01_ring_allreduce", marks=graded("ex01_ring_allreduce"))])
-def test_untouched_exercises_get_zero_on_every_test(name, grade_batch, monkeypatch):
-    monkeypatch.setenv(BATCH_ENV, str(grade_batch(name)))
-    report = grading.grade("ex01", "exercises", timeout=BATCH_TIMEOUT_S)
+def test_untouched_exercises_get_zero_on_every_test(name, graded_batch):
+    report = graded_batch(name)["exercises"]
     assert report.max_score > 0 and report.tests and not report.problems
     assert [t.name for t in report.tests if t.score] == []
     hint = "NotImplementedError: split tensor.view(-1)"
@@ -468,11 +467,9 @@ OTHER_GRADED = [name for name in exercises.grader_files() if name != "ex01_ring_
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=graded(n)) for n in OTHER_GRADED])
-def test_every_grader_gives_solutions_full_marks_and_untouched_exercises_zero(name, grade_batch, monkeypatch):
-    monkeypatch.setenv(BATCH_ENV, str(grade_batch(name)))
-    solved = grading.grade(name, "solutions", timeout=BATCH_TIMEOUT_S)
+def test_every_grader_gives_solutions_full_marks_and_untouched_exercises_zero(name, graded_batch):
+    solved, untouched = (graded_batch(name)[target] for target in ("solutions", "exercises"))
     assert solved.max_score > 0 and solved.score == solved.max_score, solved.table()
-    untouched = grading.grade(name, "exercises", timeout=BATCH_TIMEOUT_S)
     assert untouched.tests and [t.name for t in untouched.tests if t.score] == [], untouched.table()
 
 
@@ -504,3 +501,11 @@ def test_ex09_untouched_shows_what_its_docstring_says(tmp_path, monkeypatch):
             assert losses[0] != losses[1], (mesh, losses)
             init = job.compare(raw(cases["init"][(0, 1)])["params"], reference["init"])
             assert init["max_diff"] > 1e-3 and init["worst"] in ("tok.weight", "head.weight"), (mesh, init)
+
+
+@pytest.mark.parametrize("name, plain", [("test_a[gpucourse-sub3]", "test_a"), ("test_a[gpucourse-sub12-2]", "test_a[2]"),
+                                         ("test_a[4-ranks-gpucourse-sub0]", "test_a[4-ranks]"), ("test_a[x]", "test_a[x]"),
+                                         ("test_a", "test_a")])
+def test_several_targets_keep_each_tests_own_name(name, plain):
+    """Graded in one run, each target's tests carry its id (plugin.SUB_ID); the reports name them as one grading does."""
+    assert plain_name(name) == plain

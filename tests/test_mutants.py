@@ -8,18 +8,21 @@ those: each named test is proven to catch that mistake, and every other test to 
 that is otherwise right.
 
 The quick tests check the mutants' form and that each still applies to the current solution; the slow ones grade
-them, all mutants of an exercise in one launch per job (the `grade_batch` fixture).
+them, all mutants of an exercise in one launch per job and one grading run (the `graded_batch` fixture). The last
+ones test the judges without a run: on the solution's recorded results with the tensors the ranks saved forged.
 """
 import os
+import shutil
 import subprocess
 import sys
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpucourse import exercises, grading
-from gpucourse.grading.plugin import BATCH_ENV, TIMING_ENV
+from gpucourse.grading.plugin import BATCH_ENV, BATCH_FILE, TIMING_ENV
 from tests.conftest import BATCH_TIMEOUT_S, graded
 from tests.mutants import HERE, all_mutants
 
@@ -67,10 +70,9 @@ def test_mutant_is_the_solution_with_one_declared_mistake(mutant):
 
 # --- slow: the graders catch them -------------------------------------------------------------------------
 @pytest.mark.parametrize("mutant", [pytest.param(m, id=m.id, marks=graded(m.exercise)) for m in MUTANTS])
-def test_grader_catches_exactly_the_mutants_mistake(mutant, grade_batch, monkeypatch):
+def test_grader_catches_exactly_the_mutants_mistake(mutant, graded_batch, monkeypatch):
     monkeypatch.setenv(TIMING_ENV, "report")  # a timed criterion never decides (the suite's busy machines)
-    monkeypatch.setenv(BATCH_ENV, str(batch := grade_batch(mutant.exercise)))
-    report = grading.grade(mutant.exercise, batch / mutant.name, timeout=BATCH_TIMEOUT_S)
+    report = graded_batch(mutant.exercise)[mutant.name]
     table = report.table()
     assert not report.problems and {t.name for t in report.tests} == grader_tests()[mutant.exercise], table
     lost = {t.name for t in report.tests if t.score < t.max_score}
@@ -81,9 +83,57 @@ def test_grader_catches_exactly_the_mutants_mistake(mutant, grade_batch, monkeyp
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=graded(n)) for n in exercises.grader_files()])
-def test_the_solution_graded_after_its_mutants_keeps_full_marks(name, grade_batch, monkeypatch):
+def test_the_solution_graded_after_its_mutants_keeps_full_marks(name, graded_batch, monkeypatch):
     """Each submission of a batch is graded in a process of its own: nothing a mutant did reaches the next one."""
     monkeypatch.setenv(TIMING_ENV, "report")
-    monkeypatch.setenv(BATCH_ENV, str(batch := grade_batch(name)))
-    report = grading.grade(name, batch / "solution_after_the_mutants", timeout=BATCH_TIMEOUT_S)
+    report = graded_batch(name)["solution_after_the_mutants"]
     assert report.max_score > 0 and report.score == report.max_score, report.table()
+
+
+# --- the judges, on recorded results: no run -------------------------------------------------------------------------
+SAVE_NO_RAW = {"ex03_predict_scaling", "ex04_lr_schedule"}  # their ranks record plain values, no tensors
+
+
+def _forged_copy(batch: Path, into: Path) -> int:
+    """A copy of `batch` whose runs serve its gradings as they are, except that the raw results every rank saved for
+    the batch's first submission (the solution) are forged: each floating-point tensor t becomes 1.5 t + 0.25.
+    Returns how many files were forged."""
+    def only_the_first_submission(folder, names):  # raw/rank<r>/<sub>/: the other submissions are not read
+        return [n for n in names if n != "0"] if Path(folder).parent.name == "raw" else []
+
+    shutil.copytree(batch, into, ignore=only_the_first_submission)
+    for key in into.glob("*.json"):
+        if key.name != BATCH_FILE:
+            key.write_text(key.read_text().replace(str(batch), str(into)))
+    def forge(value):  # the tensors inside lists and dicts too (a model's parameters, step by step)
+        if isinstance(value, torch.Tensor):
+            return value * 1.5 + 0.25 if value.is_floating_point() else value
+        if isinstance(value, (list, tuple)):
+            return type(value)(map(forge, value))
+        return {k: forge(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    forged = 0
+    for path in into.glob("runs/*/raw/rank*/0/*.pt"):
+        torch.save(forge(torch.load(path, weights_only=True)), path)
+        forged += 1
+    return forged
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=graded(n)) for n in exercises.grader_files()])
+def test_judges_read_what_the_ranks_saved_not_what_they_claim(name, grade_batch, graded_batch, tmp_path, monkeypatch):
+    """The judges run in the grader process on the tensors the ranks saved: graded again from a copy of the
+    solution's recorded runs in which only the tensors the ranks saved differ, it loses points, and no job runs."""
+    monkeypatch.setenv(TIMING_ENV, "report")
+    solved = graded_batch(name)["solutions"]  # the batch's runs exist after it
+    assert solved.score == solved.max_score > 0, solved.table()
+    forged = _forged_copy(grade_batch(name), copy := tmp_path / "forged")
+    if name in SAVE_NO_RAW:
+        assert forged == 0, f"{name}'s ranks now save raw results: take it out of SAVE_NO_RAW"
+        return
+    assert forged, f"{name}'s solution saved no raw results: add it to SAVE_NO_RAW if it never does"
+    runs = sorted(copy.glob("runs/*"))
+    monkeypatch.setenv(BATCH_ENV, str(copy))
+    report = grading.grade(name, "solutions", timeout=BATCH_TIMEOUT_S)
+    assert sorted(copy.glob("runs/*")) == runs, "the grading of the forged copy launched a job of its own"
+    assert not report.problems and report.tests, report.table()
+    assert report.score < report.max_score, f"forged tensors kept full marks:\n{report.table()}"

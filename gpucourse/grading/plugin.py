@@ -13,6 +13,7 @@ Learners' grading scores them (the default, GPUCOURSE_GRADE_TIMING=score).
 """
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,29 @@ RESULTS_ENV = "GPUCOURSE_GRADE_RESULTS"
 TIMING_ENV = "GPUCOURSE_GRADE_TIMING"  # "score" (default) or "report"
 BATCH_ENV = "GPUCOURSE_GRADE_BATCH"  # gradings that share their jobs' launches (records.Batch)
 BATCH_FILE = "batch.json"  # in the batch folder: {"submissions": [absolute paths]}
+TARGETS_ENV = "GPUCOURSE_GRADE_TARGETS"  # several targets in one session, a JSON list (runner.grade_targets)
+SUB_ID = "gpucourse-sub{}"  # the id of target number n in a test's name; taken out again in the outcomes
+_SUB_IN_ID = re.compile(r"gpucourse-sub\d+-?|-?gpucourse-sub\d+")
 REASON_CHARS = 300
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "points(n): what a grader test is worth; `gpucourse grade` adds them up")
+
+
+def _targets() -> list[str]:
+    """What this session grades: GPUCOURSE_GRADE_TARGETS' list, else GPUCOURSE_GRADE_TARGET."""
+    if os.environ.get(TARGETS_ENV):
+        return json.loads(os.environ[TARGETS_ENV])
+    return [os.environ[TARGET_ENV]] if os.environ.get(TARGET_ENV) else []
+
+
+def pytest_generate_tests(metafunc):
+    """Several targets: every test that grades a submission runs once per target (module-scoped, so a grader's
+    module fixtures, its jobs among them, are set up once per target)."""
+    if os.environ.get(TARGETS_ENV) and "submission" in metafunc.fixturenames:
+        n = len(_targets())
+        metafunc.parametrize("submission", range(n), indirect=True, scope="module", ids=map(SUB_ID.format, range(n)))
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +57,10 @@ def submission(request) -> Path:
     A missing file or a syntax error fails every test at once, with the reason, and launches nothing.
     """
     name = Path(request.module.__file__).stem
-    if not os.environ.get(TARGET_ENV):
+    targets = _targets()
+    if not targets:
         pytest.fail("nothing to grade: run the graders with `gpucourse grade EXERCISE`", pytrace=False)
-    path = target_file(os.environ[TARGET_ENV], name)
+    path = target_file(targets[getattr(request, "param", 0)], name)
     if not path.is_file():
         pytest.fail(f"nothing to grade: {path} not found", pytrace=False)
     try:
@@ -92,11 +112,21 @@ def _reason(report) -> str:
     return line[:REASON_CHARS]
 
 
+def plain_name(name: str) -> str:
+    """The test's name without the target's id: test_x[gpucourse-sub3-2] -> test_x[2]."""
+    base, bracket, params = name.partition("[")
+    params = _SUB_IN_ID.sub("", params[:-1], count=1) if bracket else ""
+    return f"{base}[{params}]" if params else base
+
+
 def pytest_collection_modifyitems(session, config, items):
     for item in items:
         marker = item.get_closest_marker("points")
-        _outcomes[item.nodeid] = {"file": str(item.path), "name": item.name, "outcome": "not run", "reason": "",
-                                  "max_score": float(marker.args[0]) if marker else 1.0, "duration": 0.0, "note": ""}
+        callspec = getattr(item, "callspec", None)
+        _outcomes[item.nodeid] = {"file": str(item.path), "name": plain_name(item.name), "outcome": "not run",
+                                  "reason": "", "max_score": float(marker.args[0]) if marker else 1.0,
+                                  "duration": 0.0, "note": "",
+                                  "sub": callspec.params.get("submission") if callspec else None}
 
 
 def pytest_collectreport(report):

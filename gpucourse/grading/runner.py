@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .. import exercises
 from ..exercises import ExerciseError
-from .plugin import BATCH_ENV, BATCH_FILE, RESULTS_ENV, TARGET_ENV
+from .plugin import BATCH_ENV, BATCH_FILE, RESULTS_ENV, TARGET_ENV, TARGETS_ENV
 
 GRADE_TIMEOUT_S = 900  # the whole pytest run; each job inside has its own, much shorter, limits
 REASON_CHARS = 300
@@ -118,6 +118,12 @@ class GradeReport:
                 "duration": round(self.duration, 3),
                 "tests": [{**asdict(t), "score": t.score} for t in self.tests]}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "GradeReport":
+        """The report to_dict() wrote."""
+        tests = [TestOutcome(**{k: v for k, v in t.items() if k != "score"}) for t in data["tests"]]
+        return cls(data["exercise"], data["target"], data["files"], tests, data["problems"], data["duration"])
+
     def to_gradescope(self) -> dict:
         """Gradescope autograder results.json: score, max_score, and one entry per test."""
         return {"score": self.score, "max_score": self.max_score, "execution_time": round(self.duration, 1),
@@ -183,24 +189,39 @@ def grade(exercise: str, target: str | Path = "exercises", *, timeout: float = G
 
 def run_graders(exercise: str, names: list[str], target, files: dict[str, Path], *,
                 timeout: float = GRADE_TIMEOUT_S, batch: Path | None = None) -> GradeReport:
-    """Run the graders of `names` on `target` and read back every test's outcome as a GradeReport. `batch`: a
-    folder of gradings that share their jobs' launches (records.Batch)."""
+    """Run the graders of `names` on `target` and read back every test's outcome as a GradeReport."""
+    return grade_targets(exercise, names, [(target, files)], timeout=timeout, batch=batch)[0]
+
+
+def grade_targets(exercise: str, names: list[str], targets: list[tuple], *, timeout: float = GRADE_TIMEOUT_S,
+                  batch: Path | None = None) -> list[GradeReport]:
+    """The graders of `names` on each of `targets`, [(target, {name: file})], in one pytest run (the plugin runs
+    every test once per target): one GradeReport per target. `batch`: a folder of gradings that share their jobs'
+    launches (records.Batch), so that the targets also share one launch per job."""
     graders = _graders_for(names)
     _require_pytest()
-    report = GradeReport(exercise, str(target), {n: str(p) for n, p in files.items()})
+    reports = [GradeReport(exercise, str(target), {n: str(p) for n, p in files.items()}) for target, files in targets]
+    listed = [_target_arg(target) for target, _ in targets]
+    env = {TARGET_ENV: listed[0]} if len(listed) == 1 else {TARGETS_ENV: json.dumps(listed)}
+    if batch:
+        env[BATCH_ENV] = str(batch)
     start = time.monotonic()
-    env = {TARGET_ENV: _target_arg(target), **({BATCH_ENV: str(batch)} if batch else {})}
-    data, output = run_pytest(graders, env, timeout)
-    report.duration = time.monotonic() - start
+    data, output = run_pytest(graders, env, timeout if batch or len(listed) == 1 else timeout * len(listed))
+    elapsed = time.monotonic() - start
     if data is None:
         tail = " | ".join(output.strip().splitlines()[-3:]) or "no output"
-        report.problems.append(f"the graders did not finish (pytest output ends: {tail[-REASON_CHARS:]})")
-        return report
-    report.problems += data["collect_errors"]
-    for rec in data["tests"]:
-        report.tests.append(TestOutcome(Path(rec["file"]).stem, rec["name"], rec["max_score"],
-                                        rec["outcome"], rec["reason"], round(rec["duration"], 3), rec["note"]))
-    return report
+        for report in reports:
+            report.problems.append(f"the graders did not finish (pytest output ends: {tail[-REASON_CHARS:]})")
+            report.duration = elapsed
+        return reports
+    for rec in data["tests"]:  # a test that grades no submission ("sub" None) counts for every target
+        for report in reports if rec.get("sub") is None else [reports[rec["sub"]]]:
+            report.tests.append(TestOutcome(Path(rec["file"]).stem, rec["name"], rec["max_score"], rec["outcome"],
+                                            rec["reason"], round(rec["duration"], 3), rec["note"]))
+    for report in reports:
+        report.problems += data["collect_errors"]
+        report.duration = elapsed if len(reports) == 1 else sum(t.duration for t in report.tests)
+    return reports
 
 
 def run_pytest(paths, env: dict, timeout: float = GRADE_TIMEOUT_S) -> tuple[dict | None, str]:
@@ -258,10 +279,10 @@ CSV_FIELDS = ["learner", "exercise", "tests_passed", "tests_total", "score", "ma
 def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *, progress=print) -> Path:
     """Grade every learner folder of `submissions`; write one CSV row per learner and exercise.
 
-    The class is graded as one batch (records.Batch): each grading job is launched once for every learner's
-    file, each graded in a process of its own, so a class costs about one launch, not one per learner.
-    Each learner's full report (every test and reason) goes to `<csv stem>-details/<learner>.json` next
-    to the CSV, as each learner is graded; the CSV is written at the end. A learner whose file is missing
+    The class is graded in one pytest run, as one batch (records.Batch): each grading job is launched once for
+    every learner's file, each graded in a process of its own, so a class costs about one grading, not one per
+    learner. Each learner's full report (every test and reason) goes to `<csv stem>-details/<learner>.json` next
+    to the CSV, and the CSV is written, once all are graded. A learner whose file is missing
     or broken is graded zero, with the reason. Existing files are never overwritten: an existing CSV or
     details folder is refused before anything runs. Returns the details folder.
     """
@@ -282,33 +303,29 @@ def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *,
     details.mkdir(exist_ok=True)
     files = {learner: {n: exercises.target_file(learner, n) for n in names} for learner in learners}
     if progress:
-        progress(f"grading {len(learners)} learners' {', '.join(names)}: each job runs once for the whole class "
-                 "(every file in a process of its own), so the first result comes when all jobs have run")
+        progress(f"grading {len(learners)} learners' {', '.join(names)} in one run: each job is launched once for "
+                 "the whole class (every file in a process of its own); the results come when all have run")
     with tempfile.TemporaryDirectory(prefix="gpucourse-class-") as batch:
         listed = [str(f.resolve()) for own in files.values() for f in own.values() if f.is_file()]
         (Path(batch) / BATCH_FILE).write_text(json.dumps({"submissions": listed}))
-        rows = [row for learner in learners
-                for row in _grade_learner(exercise, names, learner, files[learner], details, Path(batch), progress)]
+        reports = grade_targets(exercise, names, [(learner, files[learner]) for learner in learners],
+                                batch=Path(batch))
+    rows = []
+    for learner, report in zip(learners, reports):
+        (details / f"{learner.name}.json").write_text(json.dumps(report.to_dict(), indent=1))
+        for name in names:
+            tests = [t for t in report.tests if t.exercise == name]
+            rows.append({"learner": learner.name, "exercise": name,
+                         "tests_passed": sum(t.passed for t in tests), "tests_total": len(tests),
+                         "score": _num(sum(t.score for t in tests)),
+                         "max_score": _num(sum(t.max_score for t in tests))})
+        if progress:
+            progress(f"{learner.name}: {_num(report.score)}/{_num(report.max_score)}")
     with open(csv_path, "x", newline="") as f:  # "x": never over a file that appeared meanwhile
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
         writer.writerows(rows)
     return details
-
-
-def _grade_learner(exercise, names, learner: Path, files, details: Path, batch: Path, progress) -> list[dict]:
-    """Grade one learner of a class (from the class's batch), write their details file; their CSV rows."""
-    report = run_graders(exercise, names, learner, files, batch=batch)
-    (details / f"{learner.name}.json").write_text(json.dumps(report.to_dict(), indent=1))
-    rows = []
-    for name in names:
-        tests = [t for t in report.tests if t.exercise == name]
-        rows.append({"learner": learner.name, "exercise": name,
-                     "tests_passed": sum(t.passed for t in tests), "tests_total": len(tests),
-                     "score": _num(sum(t.score for t in tests)), "max_score": _num(sum(t.max_score for t in tests))})
-    if progress:
-        progress(f"{learner.name}: {_num(report.score)}/{_num(report.max_score)}")
-    return rows
 
 
 # --- command line ------------------------------------------------------------------------------------

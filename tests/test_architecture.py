@@ -1,7 +1,8 @@
 """The package's import graph, read from its source with `ast` (nothing is imported).
 
-Imports go one way: no cycle among gpucourse's modules, counting the imports made inside functions. And no
-module uses another module's private names (`from .x import _y`, or `x._y`); a private module (`_name.py`)
+Imports go one way: no cycle among gpucourse's modules, counting the imports made inside functions; every module
+sits in one of four layers (LAYERS: run, models, viz, tools) and imports from its own layer and lower ones only.
+And no module uses another module's private names (`from .x import _y`, or `x._y`); a private module (`_name.py`)
 may be imported from inside its own package only.
 """
 from __future__ import annotations
@@ -144,3 +145,41 @@ def test_no_module_uses_another_modules_private_names(package):
     bad = private_uses(package)
     assert not bad, ("private names used from another module (give the shared thing a public name in the "
                      "lowest module that both can import):\n" + "\n".join(bad))
+
+
+# The package's four layers, lowest first; a module may import its own layer's modules and lower ones only.
+LAYERS = {
+    "run": ["contract", "paths", "procs", "hardware", "tail", "result", "agent", "live", "launcher", "runtime",
+            "slurm"],  # running jobs: the launcher, its agent, the ranks' runtime, what a run leaves on disk
+    "models": ["costs", "traces"],  # the cost models, and what a profiler trace says
+    "viz": ["plots", "timeline", "widgets", "memory", "quiz"],  # what a learner sees: charts, widgets, quizzes
+    "tools": ["argtypes", "cli", "course", "doctor_job", "exercises", "gpu_check", "grading", "labconfig",
+              "release"],  # what people run: grading, releases, the course in batch, the GPU check, the CLI
+}
+
+
+def layer_of(module: str) -> str | None:
+    name = module.removeprefix(f"{PACKAGE}.").split(".")[0]
+    return next((layer for layer, names in LAYERS.items() if name in names), None)
+
+
+def upward_imports(used_by: dict) -> list[str]:
+    """'importer (layer) line N -> module (layer)' for every import of a higher layer's module."""
+    order = list(LAYERS)
+    return [f"{me} ({layer_of(me)}) line {line} -> {target} ({layer_of(target)})"
+            for me, used in used_by.items() if layer_of(me) for target, _, line in used
+            if layer_of(target) and order.index(layer_of(target)) > order.index(layer_of(me))]
+
+
+def test_the_layer_check_catches_an_upward_import():
+    sources = {"gpucourse/__init__.py": "", "gpucourse/launcher.py": "from . import widgets\n",
+               "gpucourse/widgets.py": "from .launcher import launch\n"}
+    assert upward_imports(uses(sources)) == ["gpucourse.launcher (run) line 1 -> gpucourse.widgets (viz)"]
+
+
+def test_every_module_has_a_layer_and_imports_only_downwards(package):
+    unplaced = sorted(m for m in package if m != PACKAGE and layer_of(m) is None)
+    assert not unplaced, f"put each module in one of LAYERS (README, 'Architecture'): {unplaced}"
+    upward = upward_imports(package)
+    assert not upward, ("imports from a higher layer (move the shared thing down, or the importer up):\n"
+                        + "\n".join(upward))

@@ -9,6 +9,7 @@ import fcntl
 import itertools
 import json
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -205,3 +206,11 @@ def grade_batch(tmp_path_factory):
         return folder
 
     return batch
+
+
+# --- the `gpucourse` command --------------------------------------------------------------------------------
+def run_cli(*args, timeout=120, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """`gpucourse ARGS...` as a learner types it (python -m gpucourse.cli), its output captured as UTF-8 text.
+    `env` is added to this process's environment (which holds $GPUCOURSE_RUNS_DIR under the runs_dir fixture)."""
+    return subprocess.run([sys.executable, "-m", "gpucourse.cli", *map(str, args)], capture_output=True, text=True,
+                          encoding="utf-8", env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout)

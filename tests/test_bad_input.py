@@ -11,6 +11,7 @@ import nbformat
 import pytest
 
 from gpucourse import cli, course
+from gpucourse.contract import RUNS_ENV
 from gpucourse.course import CourseError, execute_notebook
 from gpucourse.launcher import LaunchConfigError, launch
 
@@ -77,7 +78,7 @@ def test_unwritable_runs_dir_is_one_sentence_in_python_and_cli(tmp_path, monkeyp
         (tmp_path / "file").write_text("keep me")
         runs = tmp_path / "file" / "runs"
     before = snapshot(tmp_path)
-    monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(runs))
+    monkeypatch.setenv(RUNS_ENV, str(runs))  # not the runs_dir fixture: this folder must be unwritable
     with pytest.raises(LaunchConfigError, match="cannot write the runs directory .*Set GPUCOURSE_RUNS_DIR"):
         launch(WORKER, live=False)
     out = run_cli("launch", WORKER)

@@ -9,9 +9,11 @@ import fcntl
 import itertools
 import json
 import os
+import subprocess
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -230,3 +232,39 @@ def graded_batch(grade_batch):
 
     return reports
 
+
+# --- the `gpucourse` command --------------------------------------------------------------------------------
+def run_cli(*args, timeout=120, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """`gpucourse ARGS...` as a learner types it (python -m gpucourse.cli), its output captured as UTF-8 text.
+    `env` is added to this process's environment (which holds $GPUCOURSE_RUNS_DIR under the runs_dir fixture)."""
+    return subprocess.run([sys.executable, "-m", "gpucourse.cli", *map(str, args)], capture_output=True, text=True,
+                          encoding="utf-8", env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout)
+
+
+# --- launches that several tests read -----------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def launched(tmp_path_factory):
+    """launched(start, *jobs, parallel=1) -> [start(job) for job in jobs], each job started once per session.
+
+    `start` is a module-level function that launches `job` (gpucourse.launch) and returns its result; its name
+    and the job are the key. The first test that needs a job launches it (the missing ones `parallel` at a time),
+    later tests read its result. The runs go to one folder in the session's temp dir, and none may leave a
+    process behind once launch() has returned (checked here).
+
+    A launch belongs to the test that asks for it (_no_process_outlives_its_test checks what it started), or to
+    the session when a module-scoped fixture asks (_no_process_outlives_the_session). Under pytest-xdist a
+    session fixture is set up once per worker: a job that tests on two workers need is launched on each."""
+    runs, results = tmp_path_factory.mktemp("launched"), {}
+
+    def launched(start, *jobs, parallel=1) -> list:
+        assert "<" not in start.__qualname__, f"{start.__qualname__}: give a module-level function (it is the key)"
+        keys = {job: (start.__module__, start.__qualname__, job) for job in jobs}
+        missing = [job for job in dict.fromkeys(jobs) if keys[job] not in results]
+        with pytest.MonkeyPatch.context() as env, ThreadPoolExecutor(parallel) as pool:
+            env.setenv(RUNS_ENV, str(runs))  # os.environ is the process's: launch() reads it in the pool's threads
+            for job, res in zip(missing, pool.map(start, missing)):
+                results[keys[job]] = res
+                assert run_processes(res.run_dir) == [], f"{res.run_dir.name} left processes behind"
+        return [results[keys[job]] for job in jobs]
+
+    return launched

@@ -4,20 +4,18 @@ directories, non-UTF-8 output from ranks, broken notebooks, outputs that must no
 The rule everywhere: the Python API raises one clear sentence (LaunchConfigError, CourseError...), the CLI prints
 it on one line and exits 2, and nothing already on disk is changed.
 """
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
 from gpucourse import cli, course
+from gpucourse.contract import RUNS_ENV
 from gpucourse.course import CourseError, execute_notebook
 from gpucourse.launcher import LaunchConfigError, launch
 
-from .conftest import JOBS
+from .conftest import JOBS, run_cli
 
 WORKER = JOBS / "worker.py"
 BAD_BYTES = JOBS / "bad_bytes.py"
@@ -26,11 +24,6 @@ BAD_BYTES = JOBS / "bad_bytes.py"
 def snapshot(folder: Path) -> dict:
     """Every path under `folder` with its bytes (None for a folder): proof that nothing was written or lost."""
     return {p: p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
-
-
-def gpucourse(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "gpucourse.cli", *map(str, args)], capture_output=True, text=True,
-                          encoding="utf-8", env={**os.environ, **(env or {})}, timeout=120)
 
 
 def assert_one_line(stderr: str, message: str) -> None:
@@ -85,10 +78,10 @@ def test_unwritable_runs_dir_is_one_sentence_in_python_and_cli(tmp_path, monkeyp
         (tmp_path / "file").write_text("keep me")
         runs = tmp_path / "file" / "runs"
     before = snapshot(tmp_path)
-    monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(runs))
+    monkeypatch.setenv(RUNS_ENV, str(runs))  # not the runs_dir fixture: this folder must be unwritable
     with pytest.raises(LaunchConfigError, match="cannot write the runs directory .*Set GPUCOURSE_RUNS_DIR"):
         launch(WORKER, live=False)
-    out = gpucourse("launch", WORKER)
+    out = run_cli("launch", WORKER)
     assert out.returncode == 2
     assert_one_line(out.stderr, f"gpucourse launch: error: cannot write the runs directory {runs}")
     assert snapshot(tmp_path) == before
@@ -110,12 +103,12 @@ def test_non_utf8_rank_output_shows_replacement_characters(runs_dir, capsys):
     ("ascii", ["--", "--fail"], 1, "caf? ?? out"),  # a terminal that cannot show U+FFFD (nor the em dash)
 ])
 def test_cli_streams_non_utf8_output(runs_dir, encoding, extra, code, shown):
-    out = gpucourse("launch", BAD_BYTES, "-n", "1", *extra, env={"PYTHONIOENCODING": encoding})
+    out = run_cli("launch", BAD_BYTES, "-n", "1", *extra, env={"PYTHONIOENCODING": encoding})
     assert out.returncode == code, out.stderr
     assert f"[rank 0] rank 0 {shown}" in out.stdout and "Traceback" not in out.stderr
     if code:
         assert "rank 0 failed (exit code 3)" in out.stderr
-    listed = gpucourse("runs", env={"PYTHONIOENCODING": encoding})
+    listed = run_cli("runs", env={"PYTHONIOENCODING": encoding})
     assert listed.returncode == 0 and "bad_bytes" in listed.stdout, listed.stderr
 
 

@@ -149,7 +149,7 @@ def _stop(proc: subprocess.Popen) -> list[psutil.Process]:
 
 
 @pytest.fixture
-def lab(tmp_path):
+def lab(tmp_path, runs_dir):
     """A JupyterLab on 127.0.0.1 serving a copy of notebooks/; stopped, kernels included, afterwards."""
     if not CHROMIUM.exists():  # skip before starting a server nobody will visit
         pytest.skip(f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium)")
@@ -163,7 +163,7 @@ def lab(tmp_path):
     subprocess.run([sys.executable, "-m", "ipykernel", "install", "--prefix", str(kernels), "--name", "gpucourse",
                     "--display-name", "Python (gpucourse)"], check=True, capture_output=True, timeout=120)
     port, token = _free_port(), os.urandom(16).hex()
-    env = {**os.environ, "GPUCOURSE_RUNS_DIR": str(tmp_path / "runs"),
+    env = {**os.environ,  # with runs_dir's $GPUCOURSE_RUNS_DIR, for the server and its kernels
            "JUPYTER_PATH": os.pathsep.join(filter(None, [str(kernels / "share" / "jupyter"),
                                                          os.environ.get("JUPYTER_PATH")])),
            "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "lab-settings"),
@@ -184,7 +184,7 @@ def lab(tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_until_serving(proc, url, token, log)
-        yield Lab(url, token, work / "notebooks", work / "scripts", tmp_path / "runs")
+        yield Lab(url, token, work / "notebooks", work / "scripts", runs_dir)
     finally:
         killed = _stop(proc)
     assert not killed, f"processes outlived JupyterLab's shutdown (killed now): {[p.pid for p in killed]}"

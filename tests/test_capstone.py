@@ -4,7 +4,6 @@ The reference is trained here, in the test process, with a loop written independ
 (plain model, no process group): same seed, same global batches, same optimizer. The jobs run side by side.
 """
 import importlib.util
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 import gpucourse
 
-from .conftest import ROOT, run_processes
+from .conftest import ROOT
 
 SCRIPT = ROOT / "scripts" / "09_gpt_2d.py"
 STEPS, TOL = 5, 1e-4
@@ -43,22 +42,18 @@ def reference_losses(gpt, args) -> list[float]:
     return losses
 
 
+def train(mesh):
+    dp, tp, mode = mesh
+    return gpucourse.launch(SCRIPT, nproc=dp * tp, timeout=240, name=f"capstone-{dp}x{tp}-{mode}",
+                            args=["--dp", str(dp), "--tp", str(tp), "--dp-mode", mode, "--steps", str(STEPS),
+                                  "--warmup-steps", "1", "--eval-batches", "0", "--sample", "0"],
+                            env={"OMP_NUM_THREADS": "1"}, check=False)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    runs_dir = tmp_path_factory.mktemp("runs")
-
-    def launch(mesh):
-        dp, tp, mode = mesh
-        return gpucourse.launch(SCRIPT, nproc=dp * tp, timeout=240, name=f"capstone-{dp}x{tp}-{mode}",
-                                args=["--dp", str(dp), "--tp", str(tp), "--dp-mode", mode, "--steps", str(STEPS),
-                                      "--warmup-steps", "1", "--eval-batches", "0", "--sample", "0"],
-                                env={"OMP_NUM_THREADS": "1", "GPUCOURSE_RUNS_DIR": str(runs_dir)}, check=False)
-
-    with ThreadPoolExecutor(len(MESHES)) as pool:
-        results = dict(zip(MESHES, pool.map(launch, MESHES)))
-    for res in results.values():
-        assert run_processes(res.run_dir) == [], f"{res.run_dir.name} left processes behind"
-    return results
+def runs(launched):
+    """The three meshes' runs, launched side by side once."""
+    return dict(zip(MESHES, launched(train, *MESHES, parallel=len(MESHES))))
 
 
 @pytest.fixture(scope="module")

@@ -1,34 +1,26 @@
 """The `gpucourse` command: same launcher, shell exit codes, one-line errors (never a traceback)."""
-import subprocess
-import sys
-
 import pytest
 
-from .conftest import JOBS, run_processes
+from .conftest import JOBS, run_cli, run_processes
 
 WORKER = str(JOBS / "worker.py")
 
 
-def gpucourse(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "gpucourse.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_launch_success_streams_ranks_and_exits_zero(runs_dir):
-    out = gpucourse("launch", WORKER, "-n", "2", "--", "--steps", "2")
+    out = run_cli("launch", WORKER, "-n", "2", "--", "--steps", "2")
     assert out.returncode == 0, out.stderr
     assert "[rank 1] rank 1 step 1 sum 3" in out.stdout
     assert "finished" in out.stdout
 
 
 def test_launch_failure_exits_one_with_root_cause(runs_dir):
-    out = gpucourse("launch", WORKER, "-n", "2", "-q", "--", "--fail-rank", "1", "--steps", "4", "--step-time", "0.2")
+    out = run_cli("launch", WORKER, "-n", "2", "-q", "--", "--fail-rank", "1", "--steps", "4", "--step-time", "0.2")
     assert out.returncode == 1
     assert "rank 1 failed (exit code 1): ValueError: deliberate failure on rank 1" in out.stderr
 
 
 def test_launch_timeout_exits_124_and_leaves_nothing(runs_dir):
-    out = gpucourse("launch", WORKER, "-n", "2", "-q", "--timeout", "6", "--", "--hang")
+    out = run_cli("launch", WORKER, "-n", "2", "-q", "--timeout", "6", "--", "--hang")
     assert out.returncode == 124
     assert "timed out after 6 s" in out.stderr
     for run_dir in runs_dir.iterdir():
@@ -54,7 +46,7 @@ def test_launch_timeout_exits_124_and_leaves_nothing(runs_dir):
     (["doctor", "-n", "0"], "nproc=0 is out of range"),
 ])
 def test_bad_input_one_line_exit_two(runs_dir, args, message):
-    out = gpucourse(*args)
+    out = run_cli(*args)
     assert out.returncode == 2
     assert message in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
@@ -66,14 +58,14 @@ def test_nccl_without_gpus_is_refused(runs_dir):
 
     if gpu_count() >= 2:
         pytest.skip("this machine has GPUs")
-    out = gpucourse("launch", WORKER, "--backend", "nccl")
+    out = run_cli("launch", WORKER, "--backend", "nccl")
     assert out.returncode == 2 and "NCCL needs one GPU per rank" in out.stderr and "gloo" in out.stderr
 
 
 def test_runs_lists_status_and_root_cause(runs_dir):
-    gpucourse("launch", WORKER, "-n", "2", "-q", "--", "--steps", "1")
-    gpucourse("launch", WORKER, "-n", "2", "-q", "--", "--fail-rank", "0", "--steps", "3", "--step-time", "0.2")
-    out = gpucourse("runs")
+    run_cli("launch", WORKER, "-n", "2", "-q", "--", "--steps", "1")
+    run_cli("launch", WORKER, "-n", "2", "-q", "--", "--fail-rank", "0", "--steps", "3", "--step-time", "0.2")
+    out = run_cli("runs")
     assert out.returncode == 0
     lines = out.stdout.splitlines()[1:]
     assert len(lines) == 2
@@ -82,13 +74,13 @@ def test_runs_lists_status_and_root_cause(runs_dir):
 
 
 def test_doctor_reports_hardware_and_runs_smoke_job(runs_dir):
-    out = gpucourse("doctor")
+    out = run_cli("doctor")
     assert out.returncode == 0, out.stderr
     assert "CPUs" in out.stdout and "launcher default" in out.stdout
     assert "doctor: OK — all-reduce over 2 rank(s)" in out.stdout
 
 
 def test_course_refuses_unknown_notebook_names():
-    out = gpucourse("course", "--only", "99_nope")
+    out = run_cli("course", "--only", "99_nope")
     assert out.returncode == 2
     assert "no notebook matches 99_nope" in out.stderr and "00_setup_and_first_launch" in out.stderr

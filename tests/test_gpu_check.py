@@ -1,8 +1,6 @@
 """`gpucourse gpu-check` on a machine without a GPU: it refuses clearly, and its pieces behave (no job is launched)."""
 import datetime as dt
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,22 +8,22 @@ import torch
 from gpucourse import gpu_check
 from gpucourse.gpu_check import Outcome, run_check, write_report
 
+from .conftest import run_cli
+
 ENV = {"gpus": ["NVIDIA H100 80GB HBM3"], "gpu_memory_gib": [79.2], "driver": "580", "torch": "2.13.0",
        "cuda": "13.0", "nccl": "2.28.9", "python": "3.11", "cpus": 16}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: gpu-check would run")
 def test_without_a_gpu_it_refuses_and_writes_nothing(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "gpucourse.cli", "gpu-check", "--report-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli("gpu-check", "--report-dir", tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA GPU is visible" in proc.stderr and "nothing was written" in proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 
 def test_an_unknown_check_is_named_with_the_known_ones(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "gpucourse.cli", "gpu-check", "--only", "nccl_one_rank", "warp_speed",
-                           "--report-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = run_cli("gpu-check", "--only", "nccl_one_rank", "warp_speed", "--report-dir", tmp_path)
     assert proc.returncode == 2
     assert "no check named warp_speed" in proc.stderr and "capstone_mfu" in proc.stderr
 
@@ -173,8 +171,7 @@ def test_a_results_file_becomes_one_report_with_the_skipped_checks_and_what_was_
     results.write_text("\n".join(json.dumps(x) for x in lines) + '\n{"outcome": {"name": "to')  # torn last line
     env, outcomes = gpu_check.read_results(results)
     assert env["driver"] == "580" and [o.status for o in outcomes] == ["passed", "failed", "skipped"]
-    proc = subprocess.run([sys.executable, "-m", "gpucourse.cli", "gpu-check", "--report-from", str(results),
-                           "--report-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    proc = run_cli("gpu-check", "--report-from", results, "--report-dir", tmp_path / "out")
     assert proc.returncode == 1, proc.stderr  # not every check passed
     text = next((tmp_path / "out").glob("gpu-check-*.md")).read_text()
     assert "1 of 3 checks passed (1 not started: the time budget was spent)" in text

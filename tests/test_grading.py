@@ -5,10 +5,9 @@ import csv
 import json
 import re
 import shutil
-import subprocess
-import sys
 import textwrap
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import psutil
@@ -18,7 +17,7 @@ from gpucourse import exercises, grading
 from gpucourse.exercises import ExerciseError, generate_exercises, render_exercise, resolve
 from gpucourse.grading.plugin import BATCH_ENV, BATCH_FILE, TIMING_ENV, plain_name
 from gpucourse.grading.records import REPORT_SLACK, JobRecords, job_module, raw
-from tests.conftest import BATCH_TIMEOUT_S, graded
+from tests.conftest import BATCH_TIMEOUT_S, graded, run_cli
 
 SOLUTION = exercises.solutions_dir() / "ex01_ring_allreduce.py"
 EXERCISE = exercises.exercises_dir() / "ex01_ring_allreduce.py"
@@ -32,10 +31,8 @@ def _timing_reported_not_scored(monkeypatch):
     monkeypatch.setenv(TIMING_ENV, "report")
 
 
-def cli(*args, timeout=600):
-    """`gpucourse ARGS...` (cli.py wires grading.add_cli)."""
-    return subprocess.run([sys.executable, "-m", "gpucourse.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=exercises.course_root())
+# `gpucourse ARGS...` (cli.py wires grading.add_cli) from the course root, with room for a grading's launches
+cli = partial(run_cli, timeout=600, cwd=exercises.course_root())
 
 
 # --- exercises/ from solutions/ -------------------------------------------------------------------

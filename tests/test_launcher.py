@@ -10,6 +10,7 @@ import time
 import pytest
 
 import gpucourse
+from gpucourse.contract import RUNS_ENV
 from gpucourse.launcher import LaunchConfigError, LaunchError, launch
 
 from .conftest import JOBS, listening_ports, run_processes
@@ -139,8 +140,8 @@ def _launch_in_child(tmp_path, runs_dir, extra=""):
             raise
     """)
     with open(tmp_path / "kernel.out", "w") as out:
-        kernel = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT,
-                                  env={**__import__("os").environ, "GPUCOURSE_RUNS_DIR": str(runs_dir)})
+        # the child inherits $GPUCOURSE_RUNS_DIR = runs_dir (the fixture sets it in this process's environment)
+        kernel = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         runs = list(runs_dir.glob("*/metrics/rank1.jsonl"))
@@ -223,7 +224,7 @@ def test_bad_scripts_are_refused(tmp_path, runs_dir):
 def test_unwritable_runs_dir_is_refused(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(blocker / "runs"))
+    monkeypatch.setenv(RUNS_ENV, str(blocker / "runs"))  # not the runs_dir fixture: this one must be unwritable
     with pytest.raises(LaunchConfigError, match="cannot write the runs directory .*GPUCOURSE_RUNS_DIR"):
         launch(WORKER, live=False)
 

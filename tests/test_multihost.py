@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from gpucourse.contract import RUNS_ENV
 from gpucourse.result import load_run
 
 from .conftest import JOBS, run_processes
@@ -81,9 +82,9 @@ def netns_listeners(ns: str, pids) -> list:
 
 def start_host(host, node_rank, runs, release):
     """`gpucourse launch` on one host, exactly as on a real machine, inside its namespace."""
-    env = dict(os.environ, GPUCOURSE_RUNS_DIR=str(runs), OMP_NUM_THREADS="1",
-               GLOO_SOCKET_IFNAME=host["link"],  # gloo over the link, never lo
-               PET_LOCAL_ADDR=host["addr"], PET_RDZV_CONF=f"is_host={int(node_rank == 0)}")
+    env = {**os.environ, RUNS_ENV: str(runs), "OMP_NUM_THREADS": "1",  # runs: each host's own, as on two machines
+           "GLOO_SOCKET_IFNAME": host["link"],  # gloo over the link, never lo
+           "PET_LOCAL_ADDR": host["addr"], "PET_RDZV_CONF": f"is_host={int(node_rank == 0)}"}
     cmd = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "gpucourse.cli", "launch", str(HOLD),
            "-n", str(NPROC), "--nnodes", "2", "--node-rank", str(node_rank), "--rdzv-endpoint", f"{SUBNET}.1:{PORT}",
            "--name", "twohost", "--timeout", "100", "-q", "--", "--release", str(release), "--max-wait", "90"]

@@ -26,13 +26,11 @@ def test_there_are_notebooks():
 @pytest.mark.notebook
 @pytest.mark.timeout(1200)  # a whole notebook of real launches: minutes on a busy 2-core machine; speed is not the test
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_in_smoke_mode(path, tmp_path, monkeypatch):
-    runs = tmp_path / "runs"
-    monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(runs))
+def test_notebook_runs_in_smoke_mode(path, tmp_path, runs_dir):
     result = execute_notebook(path, tmp_path / "executed", smoke=True, cell_timeout=600)
     assert result.status == "ok", f"{path.name} failed in cell {result.failing_cell}: {result.error}"
     # The 3-minute budget per notebook is measured by benchmarks/course_smoke.py, not asserted here.
-    for run_dir in runs.glob("*"):
+    for run_dir in runs_dir.glob("*"):
         assert run_processes(run_dir) == [], f"{run_dir.name} left processes behind"
 
 
@@ -141,11 +139,11 @@ def test_checked_cells_have_stored_reference_outputs(path):
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", CHECKED, ids=lambda p: p.stem)
-def test_checked_cells_match_with_nbval(path, tmp_path):
+def test_checked_cells_match_with_nbval(path, tmp_path, runs_dir):
     """nbval (lax) re-runs the notebook with learner defaults and compares the marked cells with the stored
     reference. The copy sits beside the original so the notebook's relative paths (../scripts) still hold."""
     copy = with_expected_outputs(path, path.with_name(f".nbval-{path.name}"))
-    env = {**__import__("os").environ, "GPUCOURSE_RUNS_DIR": str(tmp_path / "runs"), "GPUCOURSE_LIVE": "text"}
+    env = {**__import__("os").environ, "GPUCOURSE_LIVE": "text"}  # and runs_dir's $GPUCOURSE_RUNS_DIR
     try:
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax", "--nbval-kernel-name", "python3",
                               "--nbval-sanitize-with", str(ROOT / "tests" / "nbval_sanitize.cfg"),

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from gpucourse import exercises, release as release_module
+from gpucourse.contract import RUNS_ENV
 
 ROOT = exercises.course_root()
 SOLUTIONS = exercises.solution_files()
@@ -73,8 +74,10 @@ def release(tmp_path_factory) -> Path:
 
 
 def release_env(release: Path, tmp_path: Path) -> dict:
+    """A learner's environment for the release: none of this process's GPUCOURSE_ variables (a runs_dir
+    fixture's included), its runs in `tmp_path`/runs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCOURSE_")}
-    return {**env, "PYTHONPATH": str(release), "OMP_NUM_THREADS": "1", "GPUCOURSE_RUNS_DIR": str(tmp_path / "runs"),
+    return {**env, "PYTHONPATH": str(release), "OMP_NUM_THREADS": "1", RUNS_ENV: str(tmp_path / "runs"),
             "GPUCOURSE_GRADE_TIMING": "report"}  # as in the rest of the suite: timings shown, not scored
 
 

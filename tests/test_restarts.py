@@ -13,7 +13,6 @@ redone) and between two (the steps since the last one are redone), on rank 0 (wh
 and on others. Restarts under gloo used to fail often when workers shared the agent's rendezvous store
 (pytorch#135712; the launcher sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): hence several restarts, not one.
 """
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import torch
 
 from gpucourse import launch
 
-from .conftest import ROOT, run_processes
+from .conftest import ROOT
 
 SCRIPT = ROOT / "scripts" / "08_resume.py"
 STEPS, CKPT_EVERY = 8, 2  # checkpoints after steps 1, 3, 5, 7: a kill at an even step comes right after one
@@ -46,6 +45,10 @@ def resumed_at(step: int) -> int:
 
 
 def run(job) -> object:
+    """Launch `job`: (world, None, None) is the uninterrupted run, (world, rank, step) a run in which `rank` dies at
+    `step`. The tests get each through `launched`, once, by the first test that needs it (under pytest-xdist a
+    worker launches only what its own tests use). launch() stops a job's whole process tree when the job ends or
+    times out, whatever the test does; `launched` checks it."""
     world, rank, step = job
     args = ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY)]
     if step is not None:
@@ -55,26 +58,6 @@ def run(job) -> object:
                       "none" if step is None else f"rank{rank}-step{step}"), env={"OMP_NUM_THREADS": "1"})
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The runs launched so far in this test process, by job: (world, None, None) is the uninterrupted run,
-    (world, rank, step) a run in which `rank` died at `step`. Each is launched once, by the first test that
-    needs it (see need): under pytest-xdist a module-scoped fixture is set up once per worker, and a worker
-    launches only what its own tests use. launch() stops a job's whole process tree when the job ends or
-    times out, whatever the test does; test_no_process_left_behind checks it."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GPUCOURSE_RUNS_DIR", str(tmp_path_factory.mktemp("runs")))
-        yield {}
-
-
-def need(runs: dict, *jobs) -> list:
-    """The results of `jobs`, launching (side by side) those not run yet."""
-    missing = [job for job in jobs if job not in runs]
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        runs.update(zip(missing, pool.map(run, missing)))
-    return [runs[job] for job in jobs]
-
-
 def final_params(res) -> dict:
     path = Path(res.run_dir) / "final_params.pt"
     assert path.exists(), f"{res.name}: rank 0 wrote no final_params.pt ({res.status}: {res.error})"
@@ -82,9 +65,9 @@ def final_params(res) -> dict:
 
 
 @pytest.mark.parametrize("kill", KILLS, ids=lambda k: f"{k[0]}-ranks-rank{k[1]}-dies-at-step{k[2]}")
-def test_killed_rank_restarts_once_and_resumes_exactly(runs, kill):
+def test_killed_rank_restarts_once_and_resumes_exactly(launched, kill):
     world, rank, step = kill
-    res, uninterrupted = need(runs, kill, (world, None, None))
+    res, uninterrupted = launched(run, kill, (world, None, None), parallel=PARALLEL)
     assert res.ok, res.summary()
     attempts = sorted(p.name for p in (res.run_dir / "logs").iterdir())
     assert attempts == ["attempt0", "attempt1"], f"expected exactly one restart, got log folders {attempts}"
@@ -107,14 +90,9 @@ def test_killed_rank_restarts_once_and_resumes_exactly(runs, kill):
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"{w}-ranks")
-def test_uninterrupted_run_never_restarts(runs, world):
-    ref, = need(runs, (world, None, None))
+def test_uninterrupted_run_never_restarts(launched, world):
+    ref, = launched(run, (world, None, None))
     assert ref.ok, ref.summary()
     assert [p.name for p in (ref.run_dir / "logs").iterdir()] == ["attempt0"]
     for r in range(world):
         assert [m["step"] for m in ref.metrics[r]] == list(range(STEPS)), f"rank {r}"
-
-
-def test_no_process_left_behind(runs):
-    for res in runs.values():
-        assert run_processes(res.run_dir) == [], f"{res.name} left processes behind"

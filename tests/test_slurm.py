@@ -22,7 +22,7 @@ import pytest
 
 from gpucourse.slurm import SlurmConfigError, sbatch_script, write_sbatch
 
-from .conftest import JOBS
+from .conftest import JOBS, run_cli
 
 WORKER = JOBS / "worker.py"
 SLURM_JOB = JOBS / "slurm_job.py"
@@ -195,13 +195,9 @@ def test_valid_time_formats_are_accepted(runs_dir):
 
 
 # --- the command ---------------------------------------------------------------------------------------------
-def gpucourse(*args):
-    return subprocess.run([sys.executable, "-m", "gpucourse.cli", *args], capture_output=True, text=True, timeout=60)
-
-
 def test_cli_writes_the_script_and_says_how_to_submit(tmp_path, runs_dir):
-    out = gpucourse("slurm", str(WORKER), "--nodes", "2", "--gpus-per-node", "0", "--procs-per-node", "2",
-                    "--output-dir", str(tmp_path / "logs"), "--", "--steps", "5")
+    out = run_cli("slurm", WORKER, "--nodes", "2", "--gpus-per-node", "0", "--procs-per-node", "2",
+                  "--output-dir", tmp_path / "logs", "--", "--steps", "5", timeout=60)
     assert out.returncode == 0, out.stderr
     path = tmp_path / "logs" / "worker.sbatch"
     assert f"wrote {path}" in out.stdout and f"sbatch {path}" in out.stdout
@@ -221,7 +217,7 @@ def test_cli_writes_the_script_and_says_how_to_submit(tmp_path, runs_dir):
     (["--nodes", "1", "--gpus-per-node", "1", "--port", "0"], "port=0 is out of range"),
 ])
 def test_cli_bad_input_one_line_exit_two(runs_dir, args, message):
-    out = gpucourse("slurm", str(WORKER), *args)
+    out = run_cli("slurm", WORKER, *args, timeout=60)
     assert out.returncode == 2
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert "Traceback" not in out.stderr
@@ -239,8 +235,8 @@ def test_existing_files_are_never_overwritten(tmp_path, runs_dir):
         (["-o", logs], f"{logs} already exists"),  # a folder
         (["-o", mine / "x.sbatch"], f"cannot write {mine / 'x.sbatch'}"),  # under a file
     ]:
-        out = gpucourse("slurm", str(WORKER), "--nodes", "1", "--gpus-per-node", "1", "--output-dir", str(logs),
-                        *map(str, extra))
+        out = run_cli("slurm", WORKER, "--nodes", "1", "--gpus-per-node", "1", "--output-dir", logs, *extra,
+                      timeout=60)
         assert out.returncode == 2 and message in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
     with pytest.raises(SlurmConfigError, match="already exists and is left untouched"):
@@ -249,7 +245,7 @@ def test_existing_files_are_never_overwritten(tmp_path, runs_dir):
 
 
 def test_cli_missing_script_exit_two(runs_dir):
-    out = gpucourse("slurm", "missing.py", "--nodes", "1", "--gpus-per-node", "1")
+    out = run_cli("slurm", "missing.py", "--nodes", "1", "--gpus-per-node", "1", timeout=60)
     assert out.returncode == 2 and "script not found: missing.py" in out.stderr and "Traceback" not in out.stderr
 
 

@@ -220,13 +220,16 @@ def test_run_without_traces_or_with_only_bad_ones_raises(tmp_path):
 COMPUTE_MS, ACTIVE, FIRST_ACTIVE = 40.0, 3, 2  # profile(wait=1, warmup=1, active=3): steps 2, 3, 4 recorded
 
 
+def profile(name):
+    """One 2-rank job, two profiled phases (sync and overlap): ≈10-30 s."""
+    return launch(JOBS / "profiled_job.py", nproc=2, name=name, timeout=240, live=False,
+                  args=["--compute-ms", str(COMPUTE_MS), "--active", str(ACTIVE), "--numel", str(1 << 20)])
+
+
 @pytest.fixture(scope="module")
-def profiled_run(tmp_path_factory):
-    """One 2-rank job, two profiled phases (sync and overlap); launched once for the whole module (≈10-30 s)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GPUCOURSE_RUNS_DIR", str(tmp_path_factory.mktemp("runs")))
-        return launch(JOBS / "profiled_job.py", nproc=2, name="profiled", timeout=240, live=False,
-                      args=["--compute-ms", str(COMPUTE_MS), "--active", str(ACTIVE), "--numel", str(1 << 20)])
+def profiled_run(launched):
+    run, = launched(profile, "profiled")
+    return run
 
 
 @pytest.fixture(scope="module")

@@ -315,5 +315,6 @@ def test_runtime_script_runs_under_plain_torchrun(tmp_path, runs_dir):
 
 
 def test_script_arguments_that_look_like_torchrun_options_reach_the_script(runs_dir):
-    res = launch(JOBS / "echo_args.py", nproc=1, args=["--nproc", "7", "--standalone", "x y"], live=False)
-    assert res.log(0).strip() == "['--nproc', '7', '--standalone', 'x y']"
+    res = launch(JOBS / "echo_args.py", nproc=1, args=["--nproc", "7", "--standalone", "x y", "--", "z"], live=False)
+    assert res.log(0).strip() == "['--nproc', '7', '--standalone', 'x y', '--', 'z']"
+    assert res.manifest["torchrun"][-6:] == ["--nproc", "7", "--standalone", "x y", "--", "z"]

@@ -180,9 +180,9 @@ class JobPlan:
                         "--logs-specs", "gpucourse", "--log-dir", str(logs_dir(self.run_dir)), "--redirects", "3",
                         str(self.script)]
 
-    def torchrun_line(self) -> list[str]:
-        """The equivalent plain torchrun command (this host's node)."""
-        return ["torchrun", *self.torchrun_args(self.local_nodes[0]), *self.args]
+    def torchrun_line(self, node: int) -> list[str]:
+        """The plain torchrun command that node `node`'s agent stands for."""
+        return ["torchrun", *self.torchrun_args(node), *self.args]
 
     def agent_command(self, node: int) -> list[str]:
         """How node `node`'s agent is started: see agent.py for the two `--` separators."""
@@ -196,7 +196,9 @@ class JobPlan:
                 "nproc_per_node": self.nproc, "nnodes": self.nnodes, "node_rank": self.node_rank,
                 "world_size": self.world_size, "rdzv_endpoint": self.rdzv_endpoint, "rdzv_id": self.rdzv_id,
                 "max_restarts": self.max_restarts, "timeout": self.timeout, "stall_timeout": self.stall_timeout,
-                "torchrun": self.torchrun_line(), "commands": [self.agent_command(n) for n in self.local_nodes],
+                "torchrun": self.torchrun_line(self.local_nodes[0]),
+                "torchrun_per_node": [self.torchrun_line(n) for n in self.local_nodes],
+                "commands": [self.agent_command(n) for n in self.local_nodes],
                 "env": {k: v for k, v in self.env.items()
                         if k.startswith((ENV_PREFIX, "OMP_", "GLOO_", "NCCL_", "TORCH_"))}}
 

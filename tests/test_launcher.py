@@ -37,6 +37,7 @@ def test_success_collects_logs_metrics_manifest(runs_dir):
     assert manifest["world_size"] == 2 and manifest["backend"] == "gloo" and manifest["status"] == "ok"
     assert manifest["versions"]["torch"].startswith("2.")
     assert manifest["end"] >= manifest["start"]
+    assert manifest["devices"] == {"0": "cpu", "1": "cpu"} and manifest["device"] == "cpu"  # as the ranks reported
     assert gpucourse.load_run(res.run_dir).metrics == res.metrics
     assert_nothing_left(res)
 

@@ -1,13 +1,16 @@
 """The process the launcher starts: torchrun's own agent, run in-process and made leak-proof.
 
-    python -m gpucourse.agent EXIT_FILE -- <torchrun arguments>
+    python -m gpucourse.agent EXIT_FILE -- <torchrun options> SCRIPT -- <script arguments>
 
-is `torchrun <torchrun arguments>` (same parser, same elastic agent, same rendezvous), plus:
+is `torchrun <torchrun options> SCRIPT <script arguments>` (same parser, same elastic agent, same
+rendezvous), plus:
 - it becomes a *child subreaper*, so workers orphaned by a crashing agent are re-parented here and
   can still be found and killed (torchrun starts workers in sessions of their own);
 - it stops the job when its own parent (the notebook kernel, the shell) dies, even by SIGKILL;
 - after the job, it kills anything still alive below it (torchrun can exit without escalating to
   SIGKILL when a second signal arrives during its graceful shutdown);
+- the script's arguments are kept from torchrun's parser, which would take some for its own options
+  (`--nproc` after the script, for `--nproc-per-node`);
 - it writes EXIT_FILE (JSON): every failed rank's exit code, and the root cause as torchrun saw it;
 - with `--logs-specs gpucourse --log-dir DIR`, workers log to `DIR/attempt<k>/rank<r>.{stdout,stderr}`,
   named by *global* rank (the run directory's layout and EXIT_FILE's format: contract.py);
@@ -28,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from .contract import SCRIPT_ARGS_ENV, attempt_dir, rank_file, root_rank
+from .contract import attempt_dir, rank_file, root_rank
 from .procs import descendants, terminate
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
@@ -195,7 +198,8 @@ def _bind_stores_to_loopback() -> None:
 
 
 def main(argv: list[str]) -> int:
-    exit_file, torchrun_args = Path(argv[0]), argv[argv.index("--") + 1:]
+    exit_file, rest = Path(argv[0]), argv[argv.index("--") + 1:]
+    torchrun_args, script_args = rest[:rest.index("--")], rest[rest.index("--") + 1:]
     parent = os.getppid()
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -212,9 +216,7 @@ def main(argv: list[str]) -> int:
         _bind_stores_to_loopback()
     else:
         print(f"gpucourse agent: warning: {OPEN_STORE_WARNING}", file=sys.stderr, flush=True)
-    # The script's own arguments travel apart: torchrun's parser would take `--nproc` after the script
-    # for an abbreviation of its own `--nproc-per-node`.
-    args.training_script_args = json.loads(os.environ.pop(SCRIPT_ARGS_ENV, "[]"))
+    args.training_script_args = script_args
     default_specs = torchrun._get_logs_specs_class
     torchrun._get_logs_specs_class = lambda name: _rank_logs_specs() if name == "gpucourse" else default_specs(name)
     record, code = {"status": "ok", "failures": []}, 0

@@ -10,11 +10,10 @@ Environment (set by the launcher for the agent and every rank):
     GPUCOURSE_RUN_DIR      this run's directory; every rank of every node writes into it
     GPUCOURSE_BACKEND      'gloo', 'nccl', 'mpi' or 'auto' (the runtime chooses)
     GPUCOURSE_DEVICE       'cpu' forces CPU ranks even where GPUs are present
-    GPUCOURSE_SCRIPT_ARGS  JSON list: the training script's own arguments (the agent takes it out of
-                           the environment; torchrun's parser would mistake some for its own options)
 
 Run directory:
-    manifest.json                       command, backend, world size, versions, times, status
+    manifest.json                       the launcher's plan (command, backend, world size, ...), versions, times,
+                                        status, and the devices the ranks reported
     agent[-node<k>].log                 torchrun's own output (one per agent started here)
     exit[-node<k>].json                 the agent's report: see "Exit file" below
     logs/attempt<a>/rank<r>.stdout      rank r's output in restart attempt a (named by *global* rank)
@@ -48,7 +47,6 @@ RUNS_ENV = "GPUCOURSE_RUNS_DIR"
 RUN_DIR_ENV = "GPUCOURSE_RUN_DIR"
 BACKEND_ENV = "GPUCOURSE_BACKEND"
 DEVICE_ENV = "GPUCOURSE_DEVICE"
-SCRIPT_ARGS_ENV = "GPUCOURSE_SCRIPT_ARGS"
 # runtime.setup() makes its process group on this key prefix of the job's store: a grading job's rank forks one
 # process per submission, each with a process group of its own, one after the other (grading/jobkit.py).
 STORE_PREFIX_ENV = "GPUCOURSE_STORE_PREFIX"

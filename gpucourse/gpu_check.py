@@ -445,7 +445,7 @@ def job_devices(runs_dir: Path) -> list[dict]:
                     break
         jobs.append({"name": manifest.get("name", run.name), "status": manifest.get("status"),
                      "world_size": manifest.get("world_size"), "backend": manifest.get("backend"),
-                     "launcher_device": manifest.get("device"),
+                     "launcher_device": manifest.get("planned_device", manifest.get("device")),
                      "rank_devices": sorted({str(r["device"]) for r in ranks.values()}),
                      "rank_backends": sorted({str(r["backend"]) for r in ranks.values()})})
     return jobs

@@ -1,7 +1,8 @@
 """What this machine can run: CPUs, GPUs, interconnect, backends, and where we are (Colab, Kaggle, Slurm).
 
 `gpu_count()` is cheap (no torch import) because the launcher calls it before every run;
-`hardware_report()` imports torch and asks it everything.
+`placement()` is the one rule for a rank's backend and device (the launcher's plan, each rank's runtime and
+the hardware report all call it); `hardware_report()` imports torch and asks it everything.
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
+
+from .contract import DEVICE_ENV
 
 
 def gpu_count() -> int:
@@ -32,6 +36,32 @@ def mpi_available() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_mpi_available()
+
+
+class Placement(NamedTuple):
+    backend: str  # 'nccl', 'gloo' or 'mpi'
+    device: str  # 'cuda:<i>' or 'cpu'
+
+
+def placement(backend: str = "auto", ranks_per_node: int = 1, local_rank: int = 0, *, gpus: int | None = None,
+              cpu_only: bool | None = None, cuda_with_gloo: bool = True) -> Placement:
+    """How a rank talks and where it computes: the one rule, read by the launcher, each rank and the report.
+
+    backend: 'auto' is NCCL when each of a node's `ranks_per_node` ranks gets a GPU of its own, else gloo;
+    an explicit backend is kept (the launcher checks it first). device: under NCCL local rank i uses GPU i;
+    under gloo or MPI the GPUs are dealt round-robin (ranks may share one), unless `cpu_only` or the script
+    asked `cuda_with_gloo=False` (runtime.setup): then the CPU. gpus: GPUs this process may use (default
+    gpu_count()); cpu_only: default $GPUCOURSE_DEVICE == 'cpu'.
+    """
+    gpus = gpu_count() if gpus is None else gpus
+    cpu_only = os.environ.get(DEVICE_ENV) == "cpu" if cpu_only is None else cpu_only
+    if backend == "auto":
+        backend = "nccl" if not cpu_only and 0 < ranks_per_node <= gpus else "gloo"
+    if backend == "nccl":
+        return Placement(backend, f"cuda:{local_rank}")
+    if cpu_only or not cuda_with_gloo or gpus == 0:
+        return Placement(backend, "cpu")
+    return Placement(backend, f"cuda:{local_rank % gpus}")
 
 
 def default_nproc() -> int:
@@ -65,7 +95,8 @@ class HardwareReport:
 
     @property
     def chosen_backend(self) -> str:
-        return "nccl" if self.gpus and self.backends.get("nccl") else "gloo"
+        gpus = len(self.gpus) if self.backends.get("nccl") else 0  # GPUs that NCCL can use
+        return placement("auto", self.chosen_nproc, gpus=gpus, cpu_only=False).backend
 
     @property
     def chosen_nproc(self) -> int:

@@ -25,9 +25,8 @@ OP_COLOURS = {"all_reduce": "tab:blue", "all_gather": "tab:orange", "reduce_scat
 
 
 def run_label(result) -> str:
-    """'cpu · gloo · 4 ranks': the device, backend and world size a RunResult was measured on."""
-    m = result.manifest
-    return f"{m.get('device', '?')} · {m.get('backend', '?')} · {result.world_size} ranks"
+    """'cpu · gloo · 4 ranks': the device the ranks reported (RunResult.device), backend and world size of a run."""
+    return f"{result.device} · {result.manifest.get('backend', '?')} · {result.world_size} ranks"
 
 
 def _finish(fig):

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .contract import (EVENT_TEARDOWN, MANIFEST, RUNTIME_EVENTS, STOP_SIGNALS, STREAMS, blame_key, exit_files,
-                       manifest_file, metrics_files, rank_log, traces_dir)
+from .contract import (EVENT_SETUP, EVENT_TEARDOWN, MANIFEST, RUNTIME_EVENTS, STOP_SIGNALS, STREAMS, blame_key,
+                       exit_files, manifest_file, metrics_files, rank_log, traces_dir)
 from .paths import runs_root
 
 STATUS_TEXT = {"ok": "finished", "failed": "failed", "timeout": "timed out", "stalled": "stalled",
@@ -96,6 +96,21 @@ def _work_finished(run_dir: Path, world_size: int) -> bool:
     return True
 
 
+def reported_devices(run_dir: Path) -> dict[int, str]:
+    """The device each rank said it computes on ('cpu', 'cuda:0', ...), by rank: its last runtime.setup record."""
+    out = {}
+    for rank, path in metrics_files(run_dir).items():
+        setups = [rec for rec in _records(path) if rec.get("event") == EVENT_SETUP and "device" in rec]
+        if setups:
+            out[rank] = str(setups[-1]["device"])
+    return out
+
+
+def device_kinds(devices: dict[int, str]) -> str:
+    """'cpu', 'cuda', or 'cpu+cuda' when ranks differ; '' when no rank reported."""
+    return "+".join(sorted({d.partition(":")[0] for d in devices.values()}))
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -135,6 +150,17 @@ class RunResult:
             out.setdefault(rank, []).extend(rec for rec in _records(path) if rec.get("event") not in RUNTIME_EVENTS)
         return out
 
+    @property
+    def devices(self) -> dict[int, str]:
+        """The device each rank computed on, as it reported it (runtime.setup), by rank."""
+        return reported_devices(self.run_dir)
+
+    @property
+    def device(self) -> str:
+        """Where the ranks computed ('cpu', 'cuda', 'cpu+cuda'), as they reported it. No rank reported (a crash
+        before runtime.setup, or a script without it): the launcher's guess, marked as such."""
+        return device_kinds(self.devices) or f"device not reported (planned {self.manifest.get('device', '?')})"
+
     def metric(self, key: str, rank: int = 0) -> list:
         """The values of one metric logged by `rank`, in order."""
         return [rec[key] for rec in self.metrics.get(rank, []) if key in rec]
@@ -161,7 +187,7 @@ class RunResult:
         if self.error and self.error.after_work_finished:  # the process failed, the work did not
             status += " at exit, after every rank had finished its work,"
         head = (f"{self.name}: {status} in {dur} — "
-                f"{self.world_size} rank(s), backend {m.get('backend', '?')}, device {m.get('device', '?')}")
+                f"{self.world_size} rank(s), backend {m.get('backend', '?')}, device {self.device}")
         codes = ", ".join(f"{r}:{'?' if c is None else c}" for r, c in sorted(self.returncodes.items()))
         lines = [head, f"exit codes by rank: {codes}", f"run directory: {self.run_dir}"]
         if self.error:

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .contract import (BACKEND_ENV, DEVICE_ENV, EVENT_SETUP, EVENT_TEARDOWN, RUN_DIR_ENV, STORE_PREFIX_ENV,
-                       metrics_file, trace_file)
+from . import hardware
+from .contract import BACKEND_ENV, EVENT_SETUP, EVENT_TEARDOWN, RUN_DIR_ENV, STORE_PREFIX_ENV, metrics_file, trace_file
 from .paths import runs_root, slug
 
 
@@ -68,22 +68,6 @@ def default_run_dir() -> Path:
     # Ranks of one node share their agent (parent) process; "none" is torchrun's static-rendezvous id.
     tag = run_id[:8] if run_id not in ("", "none") else f"agent{os.getppid()}"
     return runs_root() / f"{slug(Path(sys.argv[0]).stem)}-torchrun-{tag}"
-
-
-def choose_backend(local_world_size: int) -> str:
-    """NCCL when every local rank gets a GPU of its own; gloo otherwise (CPU, or ranks sharing GPUs)."""
-    requested = os.environ.get(BACKEND_ENV, "auto")
-    if requested != "auto":
-        return requested
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return "nccl" if os.environ.get(DEVICE_ENV) != "cpu" and gpus >= local_world_size > 0 else "gloo"
-
-
-def _choose_device(backend: str, local_rank: int) -> torch.device:
-    if os.environ.get(DEVICE_ENV) == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    # With gloo, several ranks may share one GPU: deal them round-robin.
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
 def _watch_parent(interval: float = 0.5) -> None:
@@ -213,11 +197,10 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
     _record_uncaught_exceptions()
     atexit.unregister(wait_for_gloo_workers)  # once per process, however often setup() runs
     atexit.register(wait_for_gloo_workers)  # runs before finalization: see wait_for_gloo_workers
-    backend = choose_backend(local_world)
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
-    else:
-        device = _choose_device(backend, local_rank) if cuda_with_gloo else torch.device("cpu")
+    # The launcher's plan fixed the backend ($GPUCOURSE_BACKEND); under plain torchrun the same rule picks it here.
+    backend, where = hardware.placement(os.environ.get(BACKEND_ENV, "auto"), local_world, local_rank,
+                                        cuda_with_gloo=cuda_with_gloo)
+    device = torch.device(where)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}

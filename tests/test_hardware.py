@@ -19,6 +19,19 @@ def test_gpu_count_follows_cuda_visible_devices(monkeypatch, tmp_path, visible, 
     assert hardware.gpu_count() == expected
 
 
+@pytest.mark.parametrize("request_, ranks, local_rank, gpus, kwargs, expected", [
+    ("auto", 2, 1, 2, {}, ("nccl", "cuda:1")),  # one GPU per rank
+    ("auto", 4, 3, 2, {}, ("gloo", "cuda:1")),  # more ranks than GPUs: gloo, GPUs dealt round-robin
+    ("auto", 4, 3, 2, {"cuda_with_gloo": False}, ("gloo", "cpu")),  # the script keeps gloo ranks on the CPU
+    ("auto", 1, 0, 1, {"cpu_only": True}, ("gloo", "cpu")),  # $GPUCOURSE_DEVICE=cpu
+    ("auto", 2, 0, 0, {}, ("gloo", "cpu")),
+    ("gloo", 1, 0, 1, {}, ("gloo", "cuda:0")),  # an explicit backend is kept
+])
+def test_placement_is_one_rule_for_backend_and_device(request_, ranks, local_rank, gpus, kwargs, expected):
+    kwargs.setdefault("cpu_only", False)
+    assert hardware.placement(request_, ranks, local_rank, gpus=gpus, **kwargs) == expected
+
+
 def test_report_on_this_machine_agrees_with_torch():
     import torch
 

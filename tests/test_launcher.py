@@ -38,6 +38,7 @@ def test_success_collects_logs_metrics_manifest(runs_dir):
     assert manifest["world_size"] == 2 and manifest["backend"] == "gloo" and manifest["status"] == "ok"
     assert manifest["versions"]["torch"].startswith("2.")
     assert manifest["end"] >= manifest["start"]
+    assert manifest["devices"] == {"0": "cpu", "1": "cpu"} and manifest["device"] == "cpu"  # as the ranks reported
     assert gpucourse.load_run(res.run_dir).metrics == res.metrics
     assert_nothing_left(res)
 
@@ -316,5 +317,6 @@ def test_runtime_script_runs_under_plain_torchrun(tmp_path, runs_dir):
 
 
 def test_script_arguments_that_look_like_torchrun_options_reach_the_script(runs_dir):
-    res = launch(JOBS / "echo_args.py", nproc=1, args=["--nproc", "7", "--standalone", "x y"], live=False)
-    assert res.log(0).strip() == "['--nproc', '7', '--standalone', 'x y']"
+    res = launch(JOBS / "echo_args.py", nproc=1, args=["--nproc", "7", "--standalone", "x y", "--", "z"], live=False)
+    assert res.log(0).strip() == "['--nproc', '7', '--standalone', 'x y', '--', 'z']"
+    assert res.manifest["torchrun"][-6:] == ["--nproc", "7", "--standalone", "x y", "--", "z"]

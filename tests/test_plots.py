@@ -1,8 +1,11 @@
 """The chapter figures, built from synthetic records: titles say where the numbers came from, axes are right."""
+import json
+
 import matplotlib
 import pytest
 
 from gpucourse import costs, plots
+from gpucourse.result import load_run
 
 LABEL = "cpu · gloo · 4 ranks"
 
@@ -21,12 +24,26 @@ def texts(ax):
     return [t.get_text() for t in ax.texts]
 
 
-def test_run_label_names_device_backend_and_world_size():
-    class Result:
-        manifest = {"device": "cuda", "backend": "nccl"}
-        world_size = 8
+def forged_run(tmp_path, planned: str, backend: str, reported: list[str]):
+    """A finished run whose launcher planned `planned` and whose ranks reported `reported` in their setup records."""
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"device": planned, "backend": backend, "world_size": 2, "status": "ok"}))
+    for rank, device in enumerate(reported):
+        setup = {"rank": rank, "event": "setup", "backend": backend, "device": device}
+        (tmp_path / "metrics" / f"rank{rank}.jsonl").write_text(json.dumps(setup) + "\n")
+    return load_run(tmp_path)
 
-    assert plots.run_label(Result()) == "cuda · nccl · 8 ranks"
+
+@pytest.mark.parametrize("planned, backend, reported, label", [
+    ("cuda", "nccl", ["cuda:0", "cuda:1"], "cuda · nccl · 2 ranks"),
+    # chapter 05/07 scripts on a GPU machine: gloo ranks kept on the CPU (runtime.setup(cuda_with_gloo=False))
+    ("cuda", "gloo", ["cpu", "cpu"], "cpu · gloo · 2 ranks"),
+    ("cuda", "gloo", ["cuda:0", "cpu"], "cpu+cuda · gloo · 2 ranks"),
+    ("cuda", "gloo", [], "device not reported (planned cuda) · gloo · 2 ranks"),  # died before runtime.setup
+])
+def test_run_label_names_the_device_the_ranks_reported(tmp_path, planned, backend, reported, label):
+    assert plots.run_label(forged_run(tmp_path, planned, backend, reported)) == label
 
 
 def test_collective_grid_shows_every_rank_before_and_after_with_values():

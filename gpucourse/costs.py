@@ -332,8 +332,8 @@ class DDPStep:
 
     @property
     def efficiency(self):
-        """Fraction of the step spent computing."""
-        return self.compute / self.step if self.step else 1.0
+        """Weak-scaling efficiency: the fraction of the step spent computing (one rank's step is all compute)."""
+        return scaling_efficiency(step_s=self.step, base_step_s=self.compute) if self.step else 1.0
 
 
 def ddp_step_time(compute_s, grad_bytes, n, alpha, beta, *, bucket_bytes=25 * 2**20, overlap=True,
@@ -408,11 +408,23 @@ def _ddp_step(compute_s, comm, last, num_buckets, overlap, backward_fraction, ov
     return DDPStep(compute_s, backward, comm, exposed, compute_s + exposed + penalty, num_buckets, penalty)
 
 
-def scaling_efficiency(single_step_s, step_s):
-    """Weak-scaling efficiency (per-rank batch fixed): 1.0 means perfect."""
-    _require(single_step_s > 0, f"single_step_s must be > 0, got {single_step_s}")
-    _require(step_s > 0, f"step_s must be > 0, got {step_s}")
-    return single_step_s / step_s
+def scaling_efficiency(throughput=None, base_throughput=None, n=1, base_n=1, *, step_s=None, base_step_s=None):
+    """Scaling efficiency, throughput(N) / (N/N0 × throughput(N0)): 1.0 is perfect (linear) scaling.
+
+    Give the throughputs at world size n and at the baseline base_n (samples/s; strong or weak scaling alike),
+    or, for weak scaling (batch per rank fixed, so throughput = N × batch / step), the step times at N and at
+    the baseline: then it is base_step_s / step_s.
+    """
+    if step_s is not None or base_step_s is not None:
+        _require(throughput is None and base_throughput is None, "give throughputs or step times, not both")
+        _require(step_s is not None and step_s > 0, f"step_s must be > 0, got {step_s}")
+        _require(base_step_s is not None and base_step_s >= 0, f"base_step_s must be >= 0, got {base_step_s}")
+        return base_step_s / step_s
+    _require(base_throughput is not None and base_throughput > 0,
+             f"base_throughput must be > 0, got {base_throughput}")
+    _require(throughput is not None and throughput >= 0, f"throughput must be >= 0, got {throughput}")
+    _require(n >= 1 and base_n >= 1, f"n and base_n (world sizes) must be >= 1, got {n}, {base_n}")
+    return throughput / (n / base_n * base_throughput)
 
 
 # --- 8. bytes per parameter, by optimizer and precision --------------------------------------------

@@ -19,6 +19,7 @@ import math
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from . import costs
 from .traces import RunAnalysis, clip, intersect, subtract
 
 COLORS = {"compute": "#4c72b0", "overlapped": "#f0a33a", "exposed": "#c44e52", "other": "#c8c8c8",
@@ -116,11 +117,9 @@ def _mean(values) -> float:
 
 
 def efficiencies(throughput_by_world_size: dict) -> dict[int, float]:
-    """Scaling efficiency per world size N: throughput(N) / (N × throughput(1)).
+    """costs.scaling_efficiency at each world size N, against the smallest N measured (N0, usually 1).
 
-    Values may be numbers or lists of repeats (their mean is used). Without N=1, the smallest N measured is the
-    baseline: efficiency = throughput(N) / (N/N0 × throughput(N0)). The same formula serves strong scaling
-    (fixed global batch) and weak scaling (fixed batch per rank) when throughput counts samples per second.
+    Values may be numbers or lists of repeats (their mean is used).
     """
     if not throughput_by_world_size:
         raise ValueError("no measurements: pass {world_size: samples_per_s}, e.g. {1: 400.0, 2: 760.0}")
@@ -133,7 +132,7 @@ def efficiencies(throughput_by_world_size: dict) -> dict[int, float]:
                              "throughputs positive numbers (or lists of them)")
         means[n] = _mean(values)
     base = min(means)
-    return {n: t / (n / base * means[base]) for n, t in means.items()}
+    return {n: costs.scaling_efficiency(t, means[base], n, base) for n, t in means.items()}
 
 
 def scaling_plot(throughput_by_world_size: dict, *, mode: str = "strong", unit: str = "samples/s",

@@ -66,7 +66,7 @@ def simulate(params_count, compute_s, world_sizes, alpha, beta, bucket_bytes=25 
                                 backward_fraction=backward_fraction, overlap_cost=overlap_cost)
         rows.append({"world_size": n, "compute_s": compute_s, "backward_s": m.backward, "comm_s": m.comm,
                      "exposed_s": m.exposed, "penalty_s": m.overlap_penalty, "step_s": m.step,
-                     "throughput": n * batch_per_gpu / m.step, "efficiency": compute_s / m.step,
+                     "throughput": n * batch_per_gpu / m.step, "efficiency": m.efficiency,
                      "comm_bound": m.exposed + m.overlap_penalty > compute_s,
                      "buckets": m.num_buckets})
     return rows

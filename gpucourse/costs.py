@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .units import human_seconds, human_si
+
 # Bus-bandwidth factors from NVIDIA nccl-tests (doc/PERFORMANCE.md). busbw =
 # algbw * factor is the traffic through the busiest link of a ring, so it is
 # comparable across collectives and GPU counts, and to the hardware link rate.
@@ -124,7 +126,7 @@ class AlphaBeta:
         return collective_time(self.collective, size_bytes, self.n, self.alpha, self.beta, self.algorithm)
 
     def __str__(self):
-        return f"α = {self.alpha * 1e6:.1f} µs, β⁻¹ = {self.bandwidth / 1e9:.1f} GB/s"
+        return f"α = {human_seconds(self.alpha)}, β⁻¹ = {human_si(self.bandwidth, 'B/s')}"
 
 
 def fit_alpha_beta(sizes_bytes, times_s, collective="all_reduce", *, n, algorithm="ring"):

@@ -21,6 +21,7 @@ from matplotlib.patches import Patch
 
 from . import costs
 from .traces import RunAnalysis, clip, intersect, subtract
+from .units import human_percent
 
 COLORS = {"compute": "#4c72b0", "overlapped": "#f0a33a", "exposed": "#c44e52", "other": "#c8c8c8",
           "step": "#f2f2f2"}
@@ -89,7 +90,7 @@ def breakdown_plot(analysis: RunAnalysis, *, ax=None):
         bottom = [b + m for b, m in zip(bottom, ms)]
     for i, r in enumerate(ranks):
         overlap = analysis.ranks[r].overlap
-        text = "no comm" if math.isnan(overlap) else f"{100 * overlap:.0f} % overlap"
+        text = "no comm" if math.isnan(overlap) else f"{human_percent(overlap)} overlap"
         ax.annotate(text, (i, bottom[i]), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("mean time per step (ms)")
     ax.set_title(f"Mean step per rank\n{analysis.label()}", fontsize=9)

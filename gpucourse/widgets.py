@@ -29,6 +29,7 @@ from . import costs
 from .contract import traces_dir
 from .result import list_runs
 from .traces import TraceError, analyze_run
+from .units import human_percent, human_seconds, human_si
 
 FITTED = "your fitted α–β (this machine)"
 WORLD_SIZES = [2**k for k in range(15)]  # 1 … 16384: the simulator's world-size choices
@@ -86,11 +87,6 @@ def turning_point(rows) -> int | None:
 def _check_positive(value, name, hint):
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a positive number ({hint}), got {value!r}")
-
-
-def efficiency_text(efficiency: float) -> str:
-    """An efficiency as a learner reads it: whole percent, but never "0 %" for a small non-zero value (0.4 %)."""
-    return f"{100 * efficiency:.0f} %" if efficiency >= 0.01 or efficiency == 0 else f"{100 * efficiency:.1g} %"
 
 
 def simulation_plot(curves: dict, *, title: str = "", measured: dict | None = None):
@@ -337,8 +333,8 @@ class ScalingSimulator:
             where = self.measured.get("label", "this machine")
             return self.measured["alpha"], self.measured["beta"], f"α–β fitted on {where}"
         ic = costs.INTERCONNECTS[self.interconnect.value]
-        return ic.alpha, ic.beta, f"{ic.name} (nominal: {ic.bandwidth_bytes_per_s / 1e9:g} GB/s per direction, " \
-                                  f"α = {ic.alpha * 1e6:g} µs)"
+        return ic.alpha, ic.beta, (f"{ic.name} (nominal: {human_si(ic.bandwidth_bytes_per_s, 'B/s')} per "
+                                   f"direction, α = {human_seconds(ic.alpha)})")
 
     def update(self) -> None:
         """Recompute the model from the controls and redraw."""
@@ -375,23 +371,14 @@ class ScalingSimulator:
         last, point = self.rows[-1], turning_point(self.rows)
         turn = (f"communication-bound (communication's cost &gt; compute) from <b>N = {point}</b>" if point else
                 "compute-bound over the whole range (communication's cost ≤ compute)")
-        penalty = f" + overlap cost {_time(last['penalty_s'])}" if last["penalty_s"] else ""
-        return (f"<b>Modelled</b>: {turn}. At N = {last['world_size']}: step {_time(last['step_s'])} "
-                f"(compute {_time(last['compute_s'])} + exposed comm {_time(last['exposed_s'])}{penalty}; "
-                f"all-reduce {_time(last['comm_s'])} in {last['buckets']} bucket(s)), "
-                f"efficiency <b>{efficiency_text(last['efficiency'])}</b>, {last['throughput']:.3g} samples/s.")
+        penalty = f" + overlap cost {human_seconds(last['penalty_s'])}" if last["penalty_s"] else ""
+        return (f"<b>Modelled</b>: {turn}. At N = {last['world_size']}: step {human_seconds(last['step_s'])} "
+                f"(compute {human_seconds(last['compute_s'])} + exposed comm {human_seconds(last['exposed_s'])}"
+                f"{penalty}; all-reduce {human_seconds(last['comm_s'])} in {last['buckets']} bucket(s)), "
+                f"efficiency <b>{human_percent(last['efficiency'])}</b>, {last['throughput']:.3g} samples/s.")
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
-
-
-def _time(seconds: float) -> str:
-    """'50.1 ms', '9.18 s', '2.5 min', '27 h': readable across the simulator's range."""
-    if seconds < 1:
-        return f"{seconds * 1e3:.3g} ms"
-    if seconds < 120:
-        return f"{seconds:.3g} s"
-    return f"{seconds / 60:.3g} min" if seconds < 2 * 3600 else f"{seconds / 3600:.3g} h"
 
 
 def scaling_simulator(measured: dict | None = None) -> ScalingSimulator:

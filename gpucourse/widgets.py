@@ -23,9 +23,7 @@ import re
 import threading
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
-from . import costs
+from . import costs, timeline
 from .contract import traces_dir
 from .result import list_runs
 from .traces import TraceError, analyze_run
@@ -90,43 +88,22 @@ def _check_positive(value, name, hint):
 
 
 def simulation_plot(curves: dict, *, title: str = "", measured: dict | None = None):
-    """Throughput and efficiency against world size for each {label: simulate() rows}. Each curve's turning
-    point (first communication-bound N) is a vertical dotted line, and named in the legend.
-    measured: optional {N: efficiency} drawn as dots."""
-    fig = Figure(figsize=(11, 4.4 + 0.3 * len(curves) + (0.2 if measured else 0)), layout="constrained")
-    ax_t, ax_e = fig.subplots(1, 2)
-    for i, (label, rows) in enumerate(curves.items()):
-        ns = [r["world_size"] for r in rows]
+    """Modelled throughput and efficiency against world size for each {label: simulate() rows}
+    (timeline.throughput_efficiency_plot). Each curve's turning point (first communication-bound N) is a
+    vertical dotted line, and named in the legend. measured: optional {N: efficiency} drawn as dots."""
+    labelled, points = {}, {}
+    for label, rows in curves.items():
         point = turning_point(rows)
         label += f" — comm-bound from N = {point}" if point else " — compute-bound throughout"
-        style = {"color": f"C{i}", "ls": "-" if i == 0 else "--", "lw": 2 if i == 0 else 1.2}
-        ax_t.plot(ns, [r["throughput"] for r in rows], label=label, **style)
-        ax_e.plot(ns, [100 * r["efficiency"] for r in rows], label=label, **style)
-        one = rows[0]["throughput"] / rows[0]["world_size"]  # ideal: N × one GPU's throughput
-        ax_t.plot(ns, [one * n for n in ns], color=f"C{i}", ls=":", lw=0.8,
-                  label="ideal (linear), dotted" if i == 0 else None)
-        if point is not None:
-            for ax in (ax_t, ax_e):
-                ax.axvline(point, color=f"C{i}", ls=":", lw=1)
-    ns = sorted({r["world_size"] for rows in curves.values() for r in rows})
+        labelled[label], points[label] = rows, point
+    fig = timeline.throughput_efficiency_plot(labelled, log=True, vlines=points, measured=measured,
+                                     title=title or "DDP weak scaling, modelled (α–β ring all-reduce, bucketed)")
+    ax_t, ax_e = fig.axes
     ax_e.axhline(50, color="0.6", ls=":", lw=1)
-    ax_e.text(ns[0], 51, "50 %: exposed comm = compute (beyond: comm-bound)", fontsize=7, color="0.4")
-    if measured:
-        sizes = sorted(measured)
-        ax_e.plot(sizes, [100 * measured[n] for n in sizes], "ko", ms=5, label="measured on this machine")
-    ax_t.set(xscale="log", yscale="log", xlabel="world size N (GPUs)", ylabel="throughput (samples/s)",
-             title="Throughput (modelled)")
-    ax_e.set(xscale="log", ylim=(0, 105), xlabel="world size N (GPUs)", ylabel="efficiency (%)",
-             title="Efficiency = throughput / (N × one GPU's), modelled")
-    for ax in (ax_t, ax_e):
-        ax.set_xticks([n for n in ns if math.log2(n) % 2 == 0] if len(ns) > 8 else ns)
-        ax.get_xaxis().set_major_formatter("{x:g}")
-    handles = {}  # one legend for both panels, below them: it never hides a curve
-    for ax in (ax_t, ax_e):
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(label, handle)
-    fig.legend(handles.values(), handles.keys(), loc="outside lower center", fontsize=8)
-    fig.suptitle(title or "DDP weak scaling, modelled (α–β ring all-reduce, bucketed)", fontsize=10)
+    ax_e.text(min(r["world_size"] for rows in curves.values() for r in rows), 51,
+              "50 %: exposed comm = compute (beyond: comm-bound)", fontsize=7, color="0.4")
+    ax_t.set(xlabel="world size N (GPUs)", title="Throughput (modelled)")
+    ax_e.set(xlabel="world size N (GPUs)", title="Efficiency = throughput / (N × one GPU's), modelled")
     return fig
 
 
@@ -227,8 +204,6 @@ class RunExplorer:
             self.analysis, self.figures = None, []
             show_in(self.out, text=f"cannot analyse {Path(run_dir).name}: {err}")
             return
-        from . import timeline
-
         self.figures = [timeline.timeline_plot(self.analysis), timeline.breakdown_plot(self.analysis)]
         show_in(self.out, self.figures, self.analysis.summary())
 

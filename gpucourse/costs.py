@@ -36,7 +36,7 @@ def _check_nonneg(value, name):
     _require(value >= 0, f"{name} must be >= 0, got {value}")
 
 
-# --- 1. nccl-tests bandwidth definitions -------------------------------------
+# --- 1. nccl-tests bandwidth definitions (chapter 01) -------------------------------------------------------
 
 def algbw(size_bytes, seconds):
     """Algorithm bandwidth: buffer size / time, as nccl-tests prints it."""
@@ -62,7 +62,7 @@ def busbw(collective, size_bytes, seconds, n):
     return algbw(size_bytes, seconds) * busbw_factor(collective, n)
 
 
-# --- 2. bytes on the wire ----------------------------------------------------
+# --- 2. bytes on the wire (chapter 01) ----------------------------------------------------------------------
 
 def bytes_moved_per_rank(collective, size_bytes, n):
     """Bytes each rank sends in a bandwidth-optimal (ring / pipelined) algorithm.
@@ -76,7 +76,7 @@ def bytes_moved_per_rank(collective, size_bytes, n):
     return 0.0 if n == 1 else factor * size_bytes
 
 
-# --- 3. alpha-beta (latency-bandwidth) model ----------------------------------
+# --- 3. alpha-beta (latency-bandwidth) model (chapter 01) ---------------------------------------------------
 
 def collective_time(collective, size_bytes, n, alpha, beta, algorithm="ring"):
     """Predicted time: (#sequential messages) * alpha + (bytes sent) * beta.
@@ -157,7 +157,7 @@ def fit_alpha_beta(sizes_bytes, times_s, collective="all_reduce", *, n, algorith
     return AlphaBeta(float(coef[0]), float(coef[1]), collective, n, algorithm)
 
 
-# --- 4. interconnect presets -------------------------------------------------
+# --- 4. interconnect presets (chapter 01; used again in 03, 06, 08) -----------------------------------------
 
 @dataclass(frozen=True)
 class Interconnect:
@@ -188,131 +188,7 @@ INTERCONNECTS = {ic.name: ic for ic in [
 ]}
 
 
-# --- 5. ZeRO memory and communication -----------------------------------------
-
-def zero_memory_bytes(num_params, dp_degree, stage, *, param_bytes=2, grad_bytes=2,
-                      optimizer_bytes=12, offload=False):
-    """Model-state bytes per GPU under ZeRO (Rajbhandari et al., 2019).
-
-    Mixed-precision Adam keeps fp16 params (2), fp16 grads (2) and fp32
-    master params + momentum + variance (12): 16 bytes/param. Each stage
-    shards one more of these over the dp_degree ranks:
-      stage 0 (plain DP) 16Ψ; 1: 4Ψ + 12Ψ/N; 2: 2Ψ + 14Ψ/N; 3: 16Ψ/N.
-    offload=True (ZeRO-Offload, stage >= 1): optimizer states live in CPU
-    memory, and from stage 2 the gradient shards too; only GPU bytes are
-    returned. Activations and buffers are not counted.
-    """
-    _check_nonneg(num_params, "num_params")
-    _require(dp_degree >= 1, f"dp_degree must be >= 1, got {dp_degree}")
-    _check_stage(stage)
-    _require(stage >= 1 or not offload, "offload=True needs stage >= 1 (ZeRO-Offload shards the optimizer)")
-    P, G, O = param_bytes, grad_bytes, optimizer_bytes
-    if offload:
-        O = 0
-        G = 0 if stage >= 2 else G
-    sharded = {0: 0, 1: O, 2: G + O, 3: P + G + O}[stage]
-    replicated = P + G + O - sharded
-    return num_params * (replicated + sharded / dp_degree)
-
-
-def zero_comm_volume(num_params, stage, bytes_per_elem=2):
-    """Bytes each rank communicates per step, following the ZeRO paper.
-
-    DP and stages 1-2 do a reduce-scatter + all-gather (= one all-reduce):
-    2Ψ elements (the paper rounds 2(N-1)/N to 2). Stage 3 must all-gather
-    parameters again for the backward pass: 3Ψ, i.e. 1.5x data parallel.
-    """
-    _check_nonneg(num_params, "num_params")
-    _check_stage(stage)
-    return (3 if stage == 3 else 2) * num_params * bytes_per_elem
-
-
-# --- 6. pipeline parallelism -------------------------------------------------
-
-def pipeline_bubble_fraction(p, m, v=1):
-    """Idle fraction of the step of a GPipe/1F1B schedule: (p-1)/(m+p-1); interleaved, (p-1)/(v*m+p-1).
-
-    p stages, m micro-batches: p-1 slots to fill and drain the pipe out of
-    m+p-1 in total. More micro-batches shrink the bubble. With v stages per
-    rank (interleaved 1F1B, Narayanan et al. 2021) each slot is 1/v as long,
-    so the p-1 fill and drain slots cost (p-1)/v of a micro-batch's time.
-    """
-    _require(p >= 1, f"p (pipeline stages) must be >= 1, got {p}")
-    _require(m >= 1, f"m (micro-batches) must be >= 1, got {m}")
-    _require(v >= 1, f"v (stages per rank) must be >= 1, got {v}")
-    return (p - 1) / (v * m + p - 1)
-
-
-def pipeline_bubble_ratio(p, m, v=1):
-    """Bubble time over the ideal (bubble-free) step: (p-1)/m; interleaved, (p-1)/(v*m).
-
-    The same bubble as pipeline_bubble_fraction, measured against the work
-    instead of the whole step, as Narayanan et al. 2021 write it. For p = 4,
-    m = 4: 3/7 of the step is idle, which is 3/4 on top of the ideal step.
-    """
-    _require(p >= 1, f"p (pipeline stages) must be >= 1, got {p}")
-    _require(m >= 1, f"m (micro-batches) must be >= 1, got {m}")
-    _require(v >= 1, f"v (stages per rank) must be >= 1, got {v}")
-    return (p - 1) / (v * m)
-
-
-_PIPE_ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
-
-
-def simulate_pipeline(orders, durations):
-    """Replay each rank's pipeline actions in their order, with fixed durations and free communication.
-
-    orders: {rank: ["0F0", "0F1", "0B0", ...]}: <stage><kind><micro-batch>, kind F (forward), B (full
-    backward), I (backward to the input only) or W (backward to the weights). durations: {kind: seconds}.
-    An action starts when its rank is free and what it needs is done: F on stage s after F on s-1; B or I
-    on stage s after F on s and B or I on s+1 (the last stage's after its own F); W after I. This is the
-    time the schedule itself costs, without a real machine's overheads: compare a measured timeline with it.
-    Returns {rank: [(action, start, end)]}; raises ValueError on an order that can never finish.
-    """
-    parsed, seconds = {}, {}
-    for rank, actions in orders.items():
-        parsed[rank] = []
-        for action in actions:
-            match = _PIPE_ACTION.fullmatch(str(action))
-            _require(match, f"action {action!r} of rank {rank}: expected <stage><F|B|I|W><micro-batch>, e.g. '0F1'")
-            _require(action in durations or match[2] in durations,
-                     f"durations has no time for kind {match[2]!r} (action {action})")
-            parsed[rank].append((int(match[1]), match[2], int(match[3])))
-            seconds[(int(match[1]), match[2], int(match[3]))] = durations.get(action, durations.get(match[2]))
-    last = max(s for acts in parsed.values() for s, _, _ in acts)
-    done, free, out, head = {}, dict.fromkeys(parsed, 0.0), {r: [] for r in parsed}, dict.fromkeys(parsed, 0)
-
-    def ready_at(stage, kind, mb):
-        """When everything (stage, kind, mb) needs is done, or None if something is not done yet."""
-        if kind == "F":
-            needed = [(stage - 1, "F", mb)] if stage > 0 else []
-        elif kind == "W":
-            needed = [(stage, "I", mb)]
-        else:  # B or I: the stage's own forward, and the output's gradient from the next stage (B or I there)
-            needed = [(stage, "F", mb)]
-            if stage < last:
-                grad = [d for d in ((stage + 1, "B", mb), (stage + 1, "I", mb)) if d in done]
-                needed.append(grad[0] if grad else (stage + 1, "B or I", mb))
-        return max((done[d] for d in needed), default=0.0) if all(d in done for d in needed) else None
-
-    while any(head[r] < len(parsed[r]) for r in parsed):
-        progressed = False
-        for rank, acts in parsed.items():
-            while head[rank] < len(acts) and (at := ready_at(*acts[head[rank]])) is not None:
-                stage, kind, mb = acts[head[rank]]
-                start = max(free[rank], at)
-                done[(stage, kind, mb)] = free[rank] = start + seconds[(stage, kind, mb)]
-                out[rank].append((f"{stage}{kind}{mb}", start, free[rank]))
-                head[rank] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: "".join(map(str, parsed[r][head[r]])) for r in parsed if head[r] < len(parsed[r])}
-            raise ValueError(f"these orders can never finish: each rank waits on another ({stuck}); "
-                             "check the actions and that every stage's forward comes before its backward")
-    return out
-
-
-# --- 7. DDP step time ----------------------------------------------------------
+# --- 5. DDP step time and scaling efficiency (chapter 03) ---------------------------------------------------
 
 BACKWARD_FRACTION = 2 / 3  # backward's share of forward + backward: about 2x the forward's FLOPs
 
@@ -429,7 +305,167 @@ def scaling_efficiency(throughput=None, base_throughput=None, n=1, base_n=1, *, 
     return throughput / (n / base_n * base_throughput)
 
 
-# --- 8. bytes per parameter, by optimizer and precision --------------------------------------------
+# --- 6. pipeline parallelism (chapter 05) -------------------------------------------------------------------
+
+def pipeline_bubble_fraction(p, m, v=1):
+    """Idle fraction of the step of a GPipe/1F1B schedule: (p-1)/(m+p-1); interleaved, (p-1)/(v*m+p-1).
+
+    p stages, m micro-batches: p-1 slots to fill and drain the pipe out of
+    m+p-1 in total. More micro-batches shrink the bubble. With v stages per
+    rank (interleaved 1F1B, Narayanan et al. 2021) each slot is 1/v as long,
+    so the p-1 fill and drain slots cost (p-1)/v of a micro-batch's time.
+    """
+    _require(p >= 1, f"p (pipeline stages) must be >= 1, got {p}")
+    _require(m >= 1, f"m (micro-batches) must be >= 1, got {m}")
+    _require(v >= 1, f"v (stages per rank) must be >= 1, got {v}")
+    return (p - 1) / (v * m + p - 1)
+
+
+def pipeline_bubble_ratio(p, m, v=1):
+    """Bubble time over the ideal (bubble-free) step: (p-1)/m; interleaved, (p-1)/(v*m).
+
+    The same bubble as pipeline_bubble_fraction, measured against the work
+    instead of the whole step, as Narayanan et al. 2021 write it. For p = 4,
+    m = 4: 3/7 of the step is idle, which is 3/4 on top of the ideal step.
+    """
+    _require(p >= 1, f"p (pipeline stages) must be >= 1, got {p}")
+    _require(m >= 1, f"m (micro-batches) must be >= 1, got {m}")
+    _require(v >= 1, f"v (stages per rank) must be >= 1, got {v}")
+    return (p - 1) / (v * m)
+
+
+_PIPE_ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
+
+
+def simulate_pipeline(orders, durations):
+    """Replay each rank's pipeline actions in their order, with fixed durations and free communication.
+
+    orders: {rank: ["0F0", "0F1", "0B0", ...]}: <stage><kind><micro-batch>, kind F (forward), B (full
+    backward), I (backward to the input only) or W (backward to the weights). durations: {kind: seconds}.
+    An action starts when its rank is free and what it needs is done: F on stage s after F on s-1; B or I
+    on stage s after F on s and B or I on s+1 (the last stage's after its own F); W after I. This is the
+    time the schedule itself costs, without a real machine's overheads: compare a measured timeline with it.
+    Returns {rank: [(action, start, end)]}; raises ValueError on an order that can never finish.
+    """
+    parsed, seconds = {}, {}
+    for rank, actions in orders.items():
+        parsed[rank] = []
+        for action in actions:
+            match = _PIPE_ACTION.fullmatch(str(action))
+            _require(match, f"action {action!r} of rank {rank}: expected <stage><F|B|I|W><micro-batch>, e.g. '0F1'")
+            _require(action in durations or match[2] in durations,
+                     f"durations has no time for kind {match[2]!r} (action {action})")
+            parsed[rank].append((int(match[1]), match[2], int(match[3])))
+            seconds[(int(match[1]), match[2], int(match[3]))] = durations.get(action, durations.get(match[2]))
+    last = max(s for acts in parsed.values() for s, _, _ in acts)
+    done, free, out, head = {}, dict.fromkeys(parsed, 0.0), {r: [] for r in parsed}, dict.fromkeys(parsed, 0)
+
+    def ready_at(stage, kind, mb):
+        """When everything (stage, kind, mb) needs is done, or None if something is not done yet."""
+        if kind == "F":
+            needed = [(stage - 1, "F", mb)] if stage > 0 else []
+        elif kind == "W":
+            needed = [(stage, "I", mb)]
+        else:  # B or I: the stage's own forward, and the output's gradient from the next stage (B or I there)
+            needed = [(stage, "F", mb)]
+            if stage < last:
+                grad = [d for d in ((stage + 1, "B", mb), (stage + 1, "I", mb)) if d in done]
+                needed.append(grad[0] if grad else (stage + 1, "B or I", mb))
+        return max((done[d] for d in needed), default=0.0) if all(d in done for d in needed) else None
+
+    while any(head[r] < len(parsed[r]) for r in parsed):
+        progressed = False
+        for rank, acts in parsed.items():
+            while head[rank] < len(acts) and (at := ready_at(*acts[head[rank]])) is not None:
+                stage, kind, mb = acts[head[rank]]
+                start = max(free[rank], at)
+                done[(stage, kind, mb)] = free[rank] = start + seconds[(stage, kind, mb)]
+                out[rank].append((f"{stage}{kind}{mb}", start, free[rank]))
+                head[rank] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: "".join(map(str, parsed[r][head[r]])) for r in parsed if head[r] < len(parsed[r])}
+            raise ValueError(f"these orders can never finish: each rank waits on another ({stuck}); "
+                             "check the actions and that every stage's forward comes before its backward")
+    return out
+
+
+# --- 7. ZeRO memory and communication (chapter 07) ----------------------------------------------------------
+
+def zero_memory_bytes(num_params, dp_degree, stage, *, param_bytes=2, grad_bytes=2,
+                      optimizer_bytes=12, offload=False):
+    """Model-state bytes per GPU under ZeRO (Rajbhandari et al., 2019).
+
+    Mixed-precision Adam keeps fp16 params (2), fp16 grads (2) and fp32
+    master params + momentum + variance (12): 16 bytes/param. Each stage
+    shards one more of these over the dp_degree ranks:
+      stage 0 (plain DP) 16Ψ; 1: 4Ψ + 12Ψ/N; 2: 2Ψ + 14Ψ/N; 3: 16Ψ/N.
+    offload=True (ZeRO-Offload, stage >= 1): optimizer states live in CPU
+    memory, and from stage 2 the gradient shards too; only GPU bytes are
+    returned. Activations and buffers are not counted.
+    """
+    _check_nonneg(num_params, "num_params")
+    _require(dp_degree >= 1, f"dp_degree must be >= 1, got {dp_degree}")
+    _check_stage(stage)
+    _require(stage >= 1 or not offload, "offload=True needs stage >= 1 (ZeRO-Offload shards the optimizer)")
+    P, G, O = param_bytes, grad_bytes, optimizer_bytes
+    if offload:
+        O = 0
+        G = 0 if stage >= 2 else G
+    sharded = {0: 0, 1: O, 2: G + O, 3: P + G + O}[stage]
+    replicated = P + G + O - sharded
+    return num_params * (replicated + sharded / dp_degree)
+
+
+def zero_comm_volume(num_params, stage, bytes_per_elem=2):
+    """Bytes each rank communicates per step, following the ZeRO paper.
+
+    DP and stages 1-2 do a reduce-scatter + all-gather (= one all-reduce):
+    2Ψ elements (the paper rounds 2(N-1)/N to 2). Stage 3 must all-gather
+    parameters again for the backward pass: 3Ψ, i.e. 1.5x data parallel.
+    """
+    _check_nonneg(num_params, "num_params")
+    _check_stage(stage)
+    return (3 if stage == 3 else 2) * num_params * bytes_per_elem
+
+
+# --- 8. FSDP, HSDP and DDP as one family: what each collective carries per step (chapter 07) ----------------
+
+def sharded_dp_comm_bytes(param_bytes, replicate, shard, *, grad_bytes=None, reshard_after_forward=True):
+    """The collectives of one training step under fully_shard on a (replicate x shard) mesh, per rank.
+
+    Ranks form a replicate x shard grid: parameters, gradients and optimizer states are sharded over the `shard`
+    ranks of a group and replicated over the `replicate` groups. shard = N is FSDP (ZeRO-3), replicate = N with
+    shard = 1 is DDP, both > 1 is HSDP (hybrid sharding). Per step, with the whole model in one or many groups:
+      all_gather      over the shard group, payload = the gathered parameters (param_bytes): in forward, and
+                      again in backward when the forward freed them (reshard_after_forward=True, the default);
+      reduce_scatter  over the shard group, payload = the full gradients (grad_bytes, default param_bytes);
+      all_reduce      over the replicate group, payload = the reduce-scatter's output, grad_bytes / shard.
+    Collectives over a group of one rank are not run and are left out. Returns {collective: {"group": "shard"
+    or "replicate", "ranks": the group's size, "calls_bytes": the payload summed over the step, "sent": bytes
+    this rank sends in a bandwidth-optimal algorithm (bytes_moved_per_rank)}}. Padding (FSDP pads each
+    parameter's first dimension to a multiple of `shard`) is not modelled: sizes that divide evenly have none.
+    """
+    _check_nonneg(param_bytes, "param_bytes")
+    for value, name in ((replicate, "replicate"), (shard, "shard")):
+        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                 f"{name} must be a whole number >= 1 (ranks along that mesh dimension), got {value!r}")
+    grad_bytes = param_bytes if grad_bytes is None else grad_bytes
+    _check_nonneg(grad_bytes, "grad_bytes")
+    out = {}
+    if shard > 1:
+        gathered = (2 if reshard_after_forward else 1) * param_bytes
+        out["all_gather"] = {"group": "shard", "ranks": shard, "calls_bytes": gathered,
+                             "sent": bytes_moved_per_rank("all_gather", gathered, shard)}
+        out["reduce_scatter"] = {"group": "shard", "ranks": shard, "calls_bytes": grad_bytes,
+                                 "sent": bytes_moved_per_rank("reduce_scatter", grad_bytes, shard)}
+    if replicate > 1:
+        out["all_reduce"] = {"group": "replicate", "ranks": replicate, "calls_bytes": grad_bytes / shard,
+                             "sent": bytes_moved_per_rank("all_reduce", grad_bytes / shard, replicate)}
+    return out
+
+
+# --- 9. bytes per parameter, by optimizer and precision (chapter 07) ----------------------------------------
 
 # fp32 tensors of the parameter's shape that each optimizer keeps per parameter
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
@@ -454,7 +490,7 @@ def state_bytes_per_param(optimizer="adam", precision="mixed"):
             "optimizer_bytes": parts["master weights"] + parts["optimizer states"]}
 
 
-# --- 8b. mixed precision, recipe by recipe: bytes per parameter ------------------------------------------
+# --- 10. mixed precision, recipe by recipe: bytes per parameter (chapter 07) --------------------------------
 # Bytes per parameter element of each model state, per recipe; "state" is one optimizer state element (Adam
 # keeps two, m and v). Chapter 07 measures the first four by counting the tensors a real run holds after an
 # optimizer step; "fp8" is modelled (no FP8 hardware in this course's CI), with its assumption written down.
@@ -511,7 +547,7 @@ def low_precision_speedup(gemm_fraction, device_name, dtype="fp8", baseline="bf1
     return 1.0 / ((1 - gemm_fraction) + gemm_fraction / ratio)
 
 
-# --- 9. Peak FLOP/s, model and hardware FLOPs per token, MFU and HFU ------------------------------
+# --- 11. peak FLOP/s, model and hardware FLOPs per token, MFU and HFU (chapters 07, 09) ---------------------
 
 # Dense (no 2:4 structured sparsity) peak TFLOP/s per device, keyed by the exact string
 # torch.cuda.get_device_name() returns. NVIDIA's datasheets print tensor-core rates "with sparsity" (marked *) and say
@@ -671,7 +707,7 @@ def hardware_flops_per_token(n_params, n_layers, attn_width, seq_len, *, recompu
     return flops + {"none": 0, "selective": attention_forward, "full": 2 * n_params + attention_forward}[recompute]
 
 
-# --- 10. context parallelism: bytes each rank sends per attention layer ---------------------------------------
+# --- 12. context parallelism: bytes each rank sends per attention layer (chapter 10) ------------------------
 
 CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")
 
@@ -703,8 +739,7 @@ def context_parallel_bytes(method, shard_bytes, n, *, backward=False):
     return 4 * bytes_moved_per_rank("all_to_all", shard_bytes, n)
 
 
-# --- chapter 11: mixture of experts and expert parallelism -------------------------------------------------
-# (a block of its own: chapter 10's context-parallel volumes live in theirs)
+# --- 13. mixture of experts and expert parallelism (chapter 11) ---------------------------------------------
 
 def moe_capacity(tokens, top_k, num_experts, capacity_factor):
     """Expert capacity: the most (token, choice) assignments one expert accepts from one rank's `tokens`.
@@ -734,40 +769,3 @@ def expert_parallel_all_to_all_bytes(tokens, top_k, hidden, n, bytes_per_value=2
     _require(bytes_per_value > 0, f"bytes_per_value must be > 0, got {bytes_per_value}")
     _require(0 <= kept_fraction <= 1, f"kept_fraction must be between 0 and 1, got {kept_fraction}")
     return tokens * top_k * kept_fraction * hidden * bytes_per_value * (n - 1) / n
-
-
-# --- chapter 07: FSDP, HSDP and DDP as one family: what each collective carries per step -------------------
-# (a block of its own, like chapters 10 and 11)
-
-def sharded_dp_comm_bytes(param_bytes, replicate, shard, *, grad_bytes=None, reshard_after_forward=True):
-    """The collectives of one training step under fully_shard on a (replicate x shard) mesh, per rank.
-
-    Ranks form a replicate x shard grid: parameters, gradients and optimizer states are sharded over the `shard`
-    ranks of a group and replicated over the `replicate` groups. shard = N is FSDP (ZeRO-3), replicate = N with
-    shard = 1 is DDP, both > 1 is HSDP (hybrid sharding). Per step, with the whole model in one or many groups:
-      all_gather      over the shard group, payload = the gathered parameters (param_bytes): in forward, and
-                      again in backward when the forward freed them (reshard_after_forward=True, the default);
-      reduce_scatter  over the shard group, payload = the full gradients (grad_bytes, default param_bytes);
-      all_reduce      over the replicate group, payload = the reduce-scatter's output, grad_bytes / shard.
-    Collectives over a group of one rank are not run and are left out. Returns {collective: {"group": "shard"
-    or "replicate", "ranks": the group's size, "calls_bytes": the payload summed over the step, "sent": bytes
-    this rank sends in a bandwidth-optimal algorithm (bytes_moved_per_rank)}}. Padding (FSDP pads each
-    parameter's first dimension to a multiple of `shard`) is not modelled: sizes that divide evenly have none.
-    """
-    _check_nonneg(param_bytes, "param_bytes")
-    for value, name in ((replicate, "replicate"), (shard, "shard")):
-        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                 f"{name} must be a whole number >= 1 (ranks along that mesh dimension), got {value!r}")
-    grad_bytes = param_bytes if grad_bytes is None else grad_bytes
-    _check_nonneg(grad_bytes, "grad_bytes")
-    out = {}
-    if shard > 1:
-        gathered = (2 if reshard_after_forward else 1) * param_bytes
-        out["all_gather"] = {"group": "shard", "ranks": shard, "calls_bytes": gathered,
-                             "sent": bytes_moved_per_rank("all_gather", gathered, shard)}
-        out["reduce_scatter"] = {"group": "shard", "ranks": shard, "calls_bytes": grad_bytes,
-                                 "sent": bytes_moved_per_rank("reduce_scatter", grad_bytes, shard)}
-    if replicate > 1:
-        out["all_reduce"] = {"group": "replicate", "ranks": replicate, "calls_bytes": grad_bytes / shard,
-                             "sent": bytes_moved_per_rank("all_reduce", grad_bytes / shard, replicate)}
-    return out

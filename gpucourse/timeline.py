@@ -6,7 +6,8 @@
     timeline.timeline_plot(a)        # one lane per rank: compute above, communication below, steps shaded
     timeline.breakdown_plot(a)       # mean step per rank: compute | overlapped comm | exposed comm | other
     timeline.step_time_plot(a)       # spread of step times per rank
-    timeline.scaling_plot({1: 410.0, 2: 760.0, 4: 1310.0}, mode="strong")
+    timeline.scaling_plot({1: 410.0, 2: 760.0, 4: 1310.0}, mode="strong")  # measured: throughput, efficiency
+    timeline.throughput_efficiency_plot({"modelled": widgets.simulate(...)})  # the same chart, of any rows
 
 Every function returns a matplotlib Figure built without pyplot (a notebook shows it once, and nothing is left
 in pyplot's global state); pass ax= to draw into an axes of your own. Titles name the run, device, backend

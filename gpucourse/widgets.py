@@ -96,8 +96,9 @@ def simulation_plot(curves: dict, *, title: str = "", measured: dict | None = No
         point = turning_point(rows)
         label += f" — comm-bound from N = {point}" if point else " — compute-bound throughout"
         labelled[label], points[label] = rows, point
-    fig = timeline.throughput_efficiency_plot(labelled, log=True, vlines=points, measured=measured,
-                                     title=title or "DDP weak scaling, modelled (α–β ring all-reduce, bucketed)")
+    fig = timeline.throughput_efficiency_plot(
+        labelled, log=True, vlines=points, measured=measured,
+        title=title or "DDP weak scaling, modelled (α–β ring all-reduce, bucketed)")
     ax_t, ax_e = fig.axes
     ax_e.axhline(50, color="0.6", ls=":", lw=1)
     ax_e.text(min(r["world_size"] for rows in curves.values() for r in rows), 51,

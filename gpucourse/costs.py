@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .units import human_seconds, human_si
+
 # Bus-bandwidth factors from NVIDIA nccl-tests (doc/PERFORMANCE.md). busbw =
 # algbw * factor is the traffic through the busiest link of a ring, so it is
 # comparable across collectives and GPU counts, and to the hardware link rate.
@@ -34,7 +36,7 @@ def _check_nonneg(value, name):
     _require(value >= 0, f"{name} must be >= 0, got {value}")
 
 
-# --- 1. nccl-tests bandwidth definitions -------------------------------------
+# --- 1. nccl-tests bandwidth definitions (chapter 01) -------------------------------------------------------
 
 def algbw(size_bytes, seconds):
     """Algorithm bandwidth: buffer size / time, as nccl-tests prints it."""
@@ -60,7 +62,7 @@ def busbw(collective, size_bytes, seconds, n):
     return algbw(size_bytes, seconds) * busbw_factor(collective, n)
 
 
-# --- 2. bytes on the wire ----------------------------------------------------
+# --- 2. bytes on the wire (chapter 01) ----------------------------------------------------------------------
 
 def bytes_moved_per_rank(collective, size_bytes, n):
     """Bytes each rank sends in a bandwidth-optimal (ring / pipelined) algorithm.
@@ -74,7 +76,7 @@ def bytes_moved_per_rank(collective, size_bytes, n):
     return 0.0 if n == 1 else factor * size_bytes
 
 
-# --- 3. alpha-beta (latency-bandwidth) model ----------------------------------
+# --- 3. alpha-beta (latency-bandwidth) model (chapter 01) ---------------------------------------------------
 
 def collective_time(collective, size_bytes, n, alpha, beta, algorithm="ring"):
     """Predicted time: (#sequential messages) * alpha + (bytes sent) * beta.
@@ -124,7 +126,7 @@ class AlphaBeta:
         return collective_time(self.collective, size_bytes, self.n, self.alpha, self.beta, self.algorithm)
 
     def __str__(self):
-        return f"α = {self.alpha * 1e6:.1f} µs, β⁻¹ = {self.bandwidth / 1e9:.1f} GB/s"
+        return f"α = {human_seconds(self.alpha)}, β⁻¹ = {human_si(self.bandwidth, 'B/s')}"
 
 
 def fit_alpha_beta(sizes_bytes, times_s, collective="all_reduce", *, n, algorithm="ring"):
@@ -155,7 +157,7 @@ def fit_alpha_beta(sizes_bytes, times_s, collective="all_reduce", *, n, algorith
     return AlphaBeta(float(coef[0]), float(coef[1]), collective, n, algorithm)
 
 
-# --- 4. interconnect presets -------------------------------------------------
+# --- 4. interconnect presets (chapter 01; used again in 03, 06, 08) -----------------------------------------
 
 @dataclass(frozen=True)
 class Interconnect:
@@ -186,46 +188,124 @@ INTERCONNECTS = {ic.name: ic for ic in [
 ]}
 
 
-# --- 5. ZeRO memory and communication -----------------------------------------
+# --- 5. DDP step time and scaling efficiency (chapter 03) ---------------------------------------------------
 
-def zero_memory_bytes(num_params, dp_degree, stage, *, param_bytes=2, grad_bytes=2,
-                      optimizer_bytes=12, offload=False):
-    """Model-state bytes per GPU under ZeRO (Rajbhandari et al., 2019).
+BACKWARD_FRACTION = 2 / 3  # backward's share of forward + backward: about 2x the forward's FLOPs
 
-    Mixed-precision Adam keeps fp16 params (2), fp16 grads (2) and fp32
-    master params + momentum + variance (12): 16 bytes/param. Each stage
-    shards one more of these over the dp_degree ranks:
-      stage 0 (plain DP) 16Ψ; 1: 4Ψ + 12Ψ/N; 2: 2Ψ + 14Ψ/N; 3: 16Ψ/N.
-    offload=True (ZeRO-Offload, stage >= 1): optimizer states live in CPU
-    memory, and from stage 2 the gradient shards too; only GPU bytes are
-    returned. Activations and buffers are not counted.
+
+@dataclass(frozen=True)
+class DDPStep:
+    compute: float   # forward + backward (+ optimizer), seconds
+    backward: float  # the part of compute that gradient all-reduces can hide behind, seconds
+    comm: float      # total all-reduce time over all buckets
+    exposed: float   # communication not hidden behind backward
+    step: float      # compute + exposed + overlap_penalty
+    num_buckets: int
+    overlap_penalty: float = 0.0  # compute time lost to the hidden all-reduces (overlap_cost × hidden)
+
+    @property
+    def hidden(self):
+        """Communication that ran while backward computed."""
+        return self.comm - self.exposed
+
+    @property
+    def efficiency(self):
+        """Weak-scaling efficiency: the fraction of the step spent computing (one rank's step is all compute)."""
+        return scaling_efficiency(step_s=self.step, base_step_s=self.compute) if self.step else 1.0
+
+
+def ddp_step_time(compute_s, grad_bytes, n, alpha, beta, *, bucket_bytes=25 * 2**20, overlap=True,
+                  backward_fraction=BACKWARD_FRACTION, overlap_cost=0.0):
+    """A simple model of one DDP step: compute + exposed communication (+ what overlap costs compute).
+
+    Gradients are all-reduced in buckets (ring) as backward produces them, so
+    with overlap they can hide behind the backward pass only: the forward pass
+    runs before any gradient exists. backward_fraction is backward's share of
+    compute_s (about 2/3: backward costs about twice the forward's FLOPs;
+    measure it when you can). The last bucket is only ready when backward
+    ends, and nothing can hide more than the backward there is:
+    exposed = max(last bucket, comm - backward). Without overlap, all of comm
+    is exposed.
+
+    overlap_cost says what hiding costs: the fraction of the hidden
+    communication's time that compute loses to it, so
+    step = compute + exposed + overlap_cost * (comm - exposed).
+    0 (the default) is free overlap, what NCCL on a GPU is expected to approach; 1 means
+    an all-reduce beside compute takes as long as one after it (gloo's thread
+    and compute sharing the same CPU cores). It is a property of the machine:
+    measure it apart from the steps you predict (chapter 03 times compute
+    alone, all-reduces alone and both at once).
+
+    The buckets are `full` buckets of bucket_bytes plus a smaller remainder,
+    timed in closed form: a trillion parameters in 1 MiB buckets costs the
+    same to model as a million.
     """
-    _check_nonneg(num_params, "num_params")
-    _require(dp_degree >= 1, f"dp_degree must be >= 1, got {dp_degree}")
-    _check_stage(stage)
-    _require(stage >= 1 or not offload, "offload=True needs stage >= 1 (ZeRO-Offload shards the optimizer)")
-    P, G, O = param_bytes, grad_bytes, optimizer_bytes
-    if offload:
-        O = 0
-        G = 0 if stage >= 2 else G
-    sharded = {0: 0, 1: O, 2: G + O, 3: P + G + O}[stage]
-    replicated = P + G + O - sharded
-    return num_params * (replicated + sharded / dp_degree)
+    _check_nonneg(compute_s, "compute_s")
+    _check_nonneg(grad_bytes, "grad_bytes")
+    _require(bucket_bytes > 0, f"bucket_bytes must be > 0, got {bucket_bytes}")
+    _check_step_options(backward_fraction, overlap_cost)
+    full, rest = divmod(grad_bytes, bucket_bytes)
+    t_full = collective_time("all_reduce", bucket_bytes, n, alpha, beta)
+    t_rest = collective_time("all_reduce", rest, n, alpha, beta) if rest else 0.0
+    comm = full * t_full + t_rest
+    last = t_rest if rest else (t_full if full else 0.0)
+    return _ddp_step(compute_s, comm, last, int(full) + (1 if rest else 0), overlap, backward_fraction, overlap_cost)
 
 
-def zero_comm_volume(num_params, stage, bytes_per_elem=2):
-    """Bytes each rank communicates per step, following the ZeRO paper.
+def ddp_step_from_bucket_times(compute_s, bucket_times, *, overlap=True, backward_fraction=BACKWARD_FRACTION,
+                               overlap_cost=0.0):
+    """ddp_step_time's step, from measured all-reduce times instead of the alpha-beta ring.
 
-    DP and stages 1-2 do a reduce-scatter + all-gather (= one all-reduce):
-    2Ψ elements (the paper rounds 2(N-1)/N to 2). Stage 3 must all-gather
-    parameters again for the backward pass: 3Ψ, i.e. 1.5x data parallel.
+    bucket_times: the seconds each bucket's all-reduce took, measured apart from compute, in the order DDP
+    sends them (the last one is the bucket backward finishes last: the first layers'). The overlap rule is
+    ddp_step_time's, the same function: only where the communication time comes from differs. Use it when
+    an alpha-beta line does not fit your collective at the sizes your buckets have (gloo on CPU: in six runs
+    of chapter 03, 1 MiB all-reduces timed alone took 1.3x to 4x what a line fitted from 4 KiB to 16 MiB
+    said, the line itself moving from run to run); use ddp_step_time to extrapolate.
     """
-    _check_nonneg(num_params, "num_params")
-    _check_stage(stage)
-    return (3 if stage == 3 else 2) * num_params * bytes_per_elem
+    _check_nonneg(compute_s, "compute_s")
+    times = [float(t) for t in bucket_times]
+    _require(len(times) > 0 and all(t >= 0 for t in times),
+             f"bucket_times must be one or more non-negative seconds (one per bucket), got {bucket_times!r}")
+    _check_step_options(backward_fraction, overlap_cost)
+    return _ddp_step(compute_s, sum(times), times[-1], len(times), overlap, backward_fraction, overlap_cost)
 
 
-# --- 6. pipeline parallelism -------------------------------------------------
+def _check_step_options(backward_fraction, overlap_cost):
+    _require(0 <= backward_fraction <= 1, "backward_fraction must be between 0 and 1 (backward's share of "
+                                          f"forward + backward, about 2/3), got {backward_fraction}")
+    _require(0 <= overlap_cost <= 1, "overlap_cost must be between 0 (overlap is free) and 1 (an all-reduce beside "
+                                     f"compute costs as much as one after it), got {overlap_cost}")
+
+
+def _ddp_step(compute_s, comm, last, num_buckets, overlap, backward_fraction, overlap_cost):
+    """The overlap rule of a DDP step, given its all-reduce time in total (comm) and of its last bucket."""
+    backward = backward_fraction * compute_s
+    exposed = max(last, comm - backward) if overlap else comm
+    penalty = overlap_cost * (comm - exposed)
+    return DDPStep(compute_s, backward, comm, exposed, compute_s + exposed + penalty, num_buckets, penalty)
+
+
+def scaling_efficiency(throughput=None, base_throughput=None, n=1, base_n=1, *, step_s=None, base_step_s=None):
+    """Scaling efficiency, throughput(N) / (N/N0 × throughput(N0)): 1.0 is perfect (linear) scaling.
+
+    Give the throughputs at world size n and at the baseline base_n (samples/s; strong or weak scaling alike),
+    or, for weak scaling (batch per rank fixed, so throughput = N × batch / step), the step times at N and at
+    the baseline: then it is base_step_s / step_s.
+    """
+    if step_s is not None or base_step_s is not None:
+        _require(throughput is None and base_throughput is None, "give throughputs or step times, not both")
+        _require(step_s is not None and step_s > 0, f"step_s must be > 0, got {step_s}")
+        _require(base_step_s is not None and base_step_s >= 0, f"base_step_s must be >= 0, got {base_step_s}")
+        return base_step_s / step_s
+    _require(base_throughput is not None and base_throughput > 0,
+             f"base_throughput must be > 0, got {base_throughput}")
+    _require(throughput is not None and throughput >= 0, f"throughput must be >= 0, got {throughput}")
+    _require(n >= 1 and base_n >= 1, f"n and base_n (world sizes) must be >= 1, got {n}, {base_n}")
+    return throughput / (n / base_n * base_throughput)
+
+
+# --- 6. pipeline parallelism (chapter 05) -------------------------------------------------------------------
 
 def pipeline_bubble_fraction(p, m, v=1):
     """Idle fraction of the step of a GPipe/1F1B schedule: (p-1)/(m+p-1); interleaved, (p-1)/(v*m+p-1).
@@ -310,112 +390,82 @@ def simulate_pipeline(orders, durations):
     return out
 
 
-# --- 7. DDP step time ----------------------------------------------------------
+# --- 7. ZeRO memory and communication (chapter 07) ----------------------------------------------------------
 
-BACKWARD_FRACTION = 2 / 3  # backward's share of forward + backward: about 2x the forward's FLOPs
+def zero_memory_bytes(num_params, dp_degree, stage, *, param_bytes=2, grad_bytes=2,
+                      optimizer_bytes=12, offload=False):
+    """Model-state bytes per GPU under ZeRO (Rajbhandari et al., 2019).
 
-
-@dataclass(frozen=True)
-class DDPStep:
-    compute: float   # forward + backward (+ optimizer), seconds
-    backward: float  # the part of compute that gradient all-reduces can hide behind, seconds
-    comm: float      # total all-reduce time over all buckets
-    exposed: float   # communication not hidden behind backward
-    step: float      # compute + exposed + overlap_penalty
-    num_buckets: int
-    overlap_penalty: float = 0.0  # compute time lost to the hidden all-reduces (overlap_cost × hidden)
-
-    @property
-    def hidden(self):
-        """Communication that ran while backward computed."""
-        return self.comm - self.exposed
-
-    @property
-    def efficiency(self):
-        """Fraction of the step spent computing."""
-        return self.compute / self.step if self.step else 1.0
-
-
-def ddp_step_time(compute_s, grad_bytes, n, alpha, beta, *, bucket_bytes=25 * 2**20, overlap=True,
-                  backward_fraction=BACKWARD_FRACTION, overlap_cost=0.0):
-    """A simple model of one DDP step: compute + exposed communication (+ what overlap costs compute).
-
-    Gradients are all-reduced in buckets (ring) as backward produces them, so
-    with overlap they can hide behind the backward pass only: the forward pass
-    runs before any gradient exists. backward_fraction is backward's share of
-    compute_s (about 2/3: backward costs about twice the forward's FLOPs;
-    measure it when you can). The last bucket is only ready when backward
-    ends, and nothing can hide more than the backward there is:
-    exposed = max(last bucket, comm - backward). Without overlap, all of comm
-    is exposed.
-
-    overlap_cost says what hiding costs: the fraction of the hidden
-    communication's time that compute loses to it, so
-    step = compute + exposed + overlap_cost * (comm - exposed).
-    0 (the default) is free overlap, what NCCL on a GPU is expected to approach; 1 means
-    an all-reduce beside compute takes as long as one after it (gloo's thread
-    and compute sharing the same CPU cores). It is a property of the machine:
-    measure it apart from the steps you predict (chapter 03 times compute
-    alone, all-reduces alone and both at once).
-
-    The buckets are `full` buckets of bucket_bytes plus a smaller remainder,
-    timed in closed form: a trillion parameters in 1 MiB buckets costs the
-    same to model as a million.
+    Mixed-precision Adam keeps fp16 params (2), fp16 grads (2) and fp32
+    master params + momentum + variance (12): 16 bytes/param. Each stage
+    shards one more of these over the dp_degree ranks:
+      stage 0 (plain DP) 16Ψ; 1: 4Ψ + 12Ψ/N; 2: 2Ψ + 14Ψ/N; 3: 16Ψ/N.
+    offload=True (ZeRO-Offload, stage >= 1): optimizer states live in CPU
+    memory, and from stage 2 the gradient shards too; only GPU bytes are
+    returned. Activations and buffers are not counted.
     """
-    _check_nonneg(compute_s, "compute_s")
+    _check_nonneg(num_params, "num_params")
+    _require(dp_degree >= 1, f"dp_degree must be >= 1, got {dp_degree}")
+    _check_stage(stage)
+    _require(stage >= 1 or not offload, "offload=True needs stage >= 1 (ZeRO-Offload shards the optimizer)")
+    P, G, O = param_bytes, grad_bytes, optimizer_bytes
+    if offload:
+        O = 0
+        G = 0 if stage >= 2 else G
+    sharded = {0: 0, 1: O, 2: G + O, 3: P + G + O}[stage]
+    replicated = P + G + O - sharded
+    return num_params * (replicated + sharded / dp_degree)
+
+
+def zero_comm_volume(num_params, stage, bytes_per_elem=2):
+    """Bytes each rank communicates per step, following the ZeRO paper.
+
+    DP and stages 1-2 do a reduce-scatter + all-gather (= one all-reduce):
+    2Ψ elements (the paper rounds 2(N-1)/N to 2). Stage 3 must all-gather
+    parameters again for the backward pass: 3Ψ, i.e. 1.5x data parallel.
+    """
+    _check_nonneg(num_params, "num_params")
+    _check_stage(stage)
+    return (3 if stage == 3 else 2) * num_params * bytes_per_elem
+
+
+# --- 8. FSDP, HSDP and DDP as one family: what each collective carries per step (chapter 07) ----------------
+
+def sharded_dp_comm_bytes(param_bytes, replicate, shard, *, grad_bytes=None, reshard_after_forward=True):
+    """The collectives of one training step under fully_shard on a (replicate x shard) mesh, per rank.
+
+    Ranks form a replicate x shard grid: parameters, gradients and optimizer states are sharded over the `shard`
+    ranks of a group and replicated over the `replicate` groups. shard = N is FSDP (ZeRO-3), replicate = N with
+    shard = 1 is DDP, both > 1 is HSDP (hybrid sharding). Per step, with the whole model in one or many groups:
+      all_gather      over the shard group, payload = the gathered parameters (param_bytes): in forward, and
+                      again in backward when the forward freed them (reshard_after_forward=True, the default);
+      reduce_scatter  over the shard group, payload = the full gradients (grad_bytes, default param_bytes);
+      all_reduce      over the replicate group, payload = the reduce-scatter's output, grad_bytes / shard.
+    Collectives over a group of one rank are not run and are left out. Returns {collective: {"group": "shard"
+    or "replicate", "ranks": the group's size, "calls_bytes": the payload summed over the step, "sent": bytes
+    this rank sends in a bandwidth-optimal algorithm (bytes_moved_per_rank)}}. Padding (FSDP pads each
+    parameter's first dimension to a multiple of `shard`) is not modelled: sizes that divide evenly have none.
+    """
+    _check_nonneg(param_bytes, "param_bytes")
+    for value, name in ((replicate, "replicate"), (shard, "shard")):
+        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                 f"{name} must be a whole number >= 1 (ranks along that mesh dimension), got {value!r}")
+    grad_bytes = param_bytes if grad_bytes is None else grad_bytes
     _check_nonneg(grad_bytes, "grad_bytes")
-    _require(bucket_bytes > 0, f"bucket_bytes must be > 0, got {bucket_bytes}")
-    _check_step_options(backward_fraction, overlap_cost)
-    full, rest = divmod(grad_bytes, bucket_bytes)
-    t_full = collective_time("all_reduce", bucket_bytes, n, alpha, beta)
-    t_rest = collective_time("all_reduce", rest, n, alpha, beta) if rest else 0.0
-    comm = full * t_full + t_rest
-    last = t_rest if rest else (t_full if full else 0.0)
-    return _ddp_step(compute_s, comm, last, int(full) + (1 if rest else 0), overlap, backward_fraction, overlap_cost)
+    out = {}
+    if shard > 1:
+        gathered = (2 if reshard_after_forward else 1) * param_bytes
+        out["all_gather"] = {"group": "shard", "ranks": shard, "calls_bytes": gathered,
+                             "sent": bytes_moved_per_rank("all_gather", gathered, shard)}
+        out["reduce_scatter"] = {"group": "shard", "ranks": shard, "calls_bytes": grad_bytes,
+                                 "sent": bytes_moved_per_rank("reduce_scatter", grad_bytes, shard)}
+    if replicate > 1:
+        out["all_reduce"] = {"group": "replicate", "ranks": replicate, "calls_bytes": grad_bytes / shard,
+                             "sent": bytes_moved_per_rank("all_reduce", grad_bytes / shard, replicate)}
+    return out
 
 
-def ddp_step_from_bucket_times(compute_s, bucket_times, *, overlap=True, backward_fraction=BACKWARD_FRACTION,
-                               overlap_cost=0.0):
-    """ddp_step_time's step, from measured all-reduce times instead of the alpha-beta ring.
-
-    bucket_times: the seconds each bucket's all-reduce took, measured apart from compute, in the order DDP
-    sends them (the last one is the bucket backward finishes last: the first layers'). The overlap rule is
-    ddp_step_time's, the same function: only where the communication time comes from differs. Use it when
-    an alpha-beta line does not fit your collective at the sizes your buckets have (gloo on CPU: in six runs
-    of chapter 03, 1 MiB all-reduces timed alone took 1.3x to 4x what a line fitted from 4 KiB to 16 MiB
-    said, the line itself moving from run to run); use ddp_step_time to extrapolate.
-    """
-    _check_nonneg(compute_s, "compute_s")
-    times = [float(t) for t in bucket_times]
-    _require(len(times) > 0 and all(t >= 0 for t in times),
-             f"bucket_times must be one or more non-negative seconds (one per bucket), got {bucket_times!r}")
-    _check_step_options(backward_fraction, overlap_cost)
-    return _ddp_step(compute_s, sum(times), times[-1], len(times), overlap, backward_fraction, overlap_cost)
-
-
-def _check_step_options(backward_fraction, overlap_cost):
-    _require(0 <= backward_fraction <= 1, "backward_fraction must be between 0 and 1 (backward's share of "
-                                          f"forward + backward, about 2/3), got {backward_fraction}")
-    _require(0 <= overlap_cost <= 1, "overlap_cost must be between 0 (overlap is free) and 1 (an all-reduce beside "
-                                     f"compute costs as much as one after it), got {overlap_cost}")
-
-
-def _ddp_step(compute_s, comm, last, num_buckets, overlap, backward_fraction, overlap_cost):
-    """The overlap rule of a DDP step, given its all-reduce time in total (comm) and of its last bucket."""
-    backward = backward_fraction * compute_s
-    exposed = max(last, comm - backward) if overlap else comm
-    penalty = overlap_cost * (comm - exposed)
-    return DDPStep(compute_s, backward, comm, exposed, compute_s + exposed + penalty, num_buckets, penalty)
-
-
-def scaling_efficiency(single_step_s, step_s):
-    """Weak-scaling efficiency (per-rank batch fixed): 1.0 means perfect."""
-    _require(single_step_s > 0, f"single_step_s must be > 0, got {single_step_s}")
-    _require(step_s > 0, f"step_s must be > 0, got {step_s}")
-    return single_step_s / step_s
-
-
-# --- 8. bytes per parameter, by optimizer and precision --------------------------------------------
+# --- 9. bytes per parameter, by optimizer and precision (chapter 07) ----------------------------------------
 
 # fp32 tensors of the parameter's shape that each optimizer keeps per parameter
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
@@ -440,7 +490,7 @@ def state_bytes_per_param(optimizer="adam", precision="mixed"):
             "optimizer_bytes": parts["master weights"] + parts["optimizer states"]}
 
 
-# --- 8b. mixed precision, recipe by recipe: bytes per parameter ------------------------------------------
+# --- 10. mixed precision, recipe by recipe: bytes per parameter (chapter 07) --------------------------------
 # Bytes per parameter element of each model state, per recipe; "state" is one optimizer state element (Adam
 # keeps two, m and v). Chapter 07 measures the first four by counting the tensors a real run holds after an
 # optimizer step; "fp8" is modelled (no FP8 hardware in this course's CI), with its assumption written down.
@@ -497,7 +547,7 @@ def low_precision_speedup(gemm_fraction, device_name, dtype="fp8", baseline="bf1
     return 1.0 / ((1 - gemm_fraction) + gemm_fraction / ratio)
 
 
-# --- 9. Peak FLOP/s, model and hardware FLOPs per token, MFU and HFU ------------------------------
+# --- 11. peak FLOP/s, model and hardware FLOPs per token, MFU and HFU (chapters 07, 09) ---------------------
 
 # Dense (no 2:4 structured sparsity) peak TFLOP/s per device, keyed by the exact string
 # torch.cuda.get_device_name() returns. NVIDIA's datasheets print tensor-core rates "with sparsity" (marked *) and say
@@ -657,7 +707,7 @@ def hardware_flops_per_token(n_params, n_layers, attn_width, seq_len, *, recompu
     return flops + {"none": 0, "selective": attention_forward, "full": 2 * n_params + attention_forward}[recompute]
 
 
-# --- 10. context parallelism: bytes each rank sends per attention layer ---------------------------------------
+# --- 12. context parallelism: bytes each rank sends per attention layer (chapter 10) ------------------------
 
 CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")
 
@@ -689,8 +739,7 @@ def context_parallel_bytes(method, shard_bytes, n, *, backward=False):
     return 4 * bytes_moved_per_rank("all_to_all", shard_bytes, n)
 
 
-# --- chapter 11: mixture of experts and expert parallelism -------------------------------------------------
-# (a block of its own: chapter 10's context-parallel volumes live in theirs)
+# --- 13. mixture of experts and expert parallelism (chapter 11) ---------------------------------------------
 
 def moe_capacity(tokens, top_k, num_experts, capacity_factor):
     """Expert capacity: the most (token, choice) assignments one expert accepts from one rank's `tokens`.
@@ -720,40 +769,3 @@ def expert_parallel_all_to_all_bytes(tokens, top_k, hidden, n, bytes_per_value=2
     _require(bytes_per_value > 0, f"bytes_per_value must be > 0, got {bytes_per_value}")
     _require(0 <= kept_fraction <= 1, f"kept_fraction must be between 0 and 1, got {kept_fraction}")
     return tokens * top_k * kept_fraction * hidden * bytes_per_value * (n - 1) / n
-
-
-# --- chapter 07: FSDP, HSDP and DDP as one family: what each collective carries per step -------------------
-# (a block of its own, like chapters 10 and 11)
-
-def sharded_dp_comm_bytes(param_bytes, replicate, shard, *, grad_bytes=None, reshard_after_forward=True):
-    """The collectives of one training step under fully_shard on a (replicate x shard) mesh, per rank.
-
-    Ranks form a replicate x shard grid: parameters, gradients and optimizer states are sharded over the `shard`
-    ranks of a group and replicated over the `replicate` groups. shard = N is FSDP (ZeRO-3), replicate = N with
-    shard = 1 is DDP, both > 1 is HSDP (hybrid sharding). Per step, with the whole model in one or many groups:
-      all_gather      over the shard group, payload = the gathered parameters (param_bytes): in forward, and
-                      again in backward when the forward freed them (reshard_after_forward=True, the default);
-      reduce_scatter  over the shard group, payload = the full gradients (grad_bytes, default param_bytes);
-      all_reduce      over the replicate group, payload = the reduce-scatter's output, grad_bytes / shard.
-    Collectives over a group of one rank are not run and are left out. Returns {collective: {"group": "shard"
-    or "replicate", "ranks": the group's size, "calls_bytes": the payload summed over the step, "sent": bytes
-    this rank sends in a bandwidth-optimal algorithm (bytes_moved_per_rank)}}. Padding (FSDP pads each
-    parameter's first dimension to a multiple of `shard`) is not modelled: sizes that divide evenly have none.
-    """
-    _check_nonneg(param_bytes, "param_bytes")
-    for value, name in ((replicate, "replicate"), (shard, "shard")):
-        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                 f"{name} must be a whole number >= 1 (ranks along that mesh dimension), got {value!r}")
-    grad_bytes = param_bytes if grad_bytes is None else grad_bytes
-    _check_nonneg(grad_bytes, "grad_bytes")
-    out = {}
-    if shard > 1:
-        gathered = (2 if reshard_after_forward else 1) * param_bytes
-        out["all_gather"] = {"group": "shard", "ranks": shard, "calls_bytes": gathered,
-                             "sent": bytes_moved_per_rank("all_gather", gathered, shard)}
-        out["reduce_scatter"] = {"group": "shard", "ranks": shard, "calls_bytes": grad_bytes,
-                                 "sent": bytes_moved_per_rank("reduce_scatter", grad_bytes, shard)}
-    if replicate > 1:
-        out["all_reduce"] = {"group": "replicate", "ranks": replicate, "calls_bytes": grad_bytes / shard,
-                             "sent": bytes_moved_per_rank("all_reduce", grad_bytes / shard, replicate)}
-    return out

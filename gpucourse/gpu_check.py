@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .argtypes import positive_int, positive_seconds
 from .paths import project_root
+from .units import human_bytes, human_percent, human_si
 
 ROOT = project_root() or Path.cwd()
 SCRIPTS = ROOT / "scripts"
@@ -191,7 +192,7 @@ def check_fsdp_memory(width: int = 2048, depth: int = 8):
                            "peak_over_state": (m["cuda_peak"] / (m["params"] + m["grads"] + m["optimizer"])
                                                if m.get("cuda_peak") else None)} for m in rows}
     ok = res.ok and rows and all(v["cuda_peak"] for v in figures.values())
-    text = "; ".join(f"{k}: state {v['state_bytes'] / 2**20:.0f} MiB, CUDA peak {v['cuda_peak'] / 2**20:.0f} MiB"
+    text = "; ".join(f"{k}: state {human_bytes(v['state_bytes'])}, CUDA peak {human_bytes(v['cuda_peak'])}"
                      for k, v in figures.items() if v["cuda_peak"])
     return ok, _failed_run(res) or text, figures, res
 
@@ -245,12 +246,13 @@ def _capstone(name: str, sizes: dict, steps: int, warmup: int, extra=(), timeout
 
 def _capstone_text(figures: dict) -> str:
     text = (f"{figures['params'] / 1e6:.0f} M params, {figures['tokens_per_s']:,.0f} tokens/s, "
-            f"{figures['achieved_tflops']:.0f} TFLOP/s of model FLOPs")
+            f"{human_si(figures['achieved_tflops'] * 1e12, 'FLOP/s')} of model FLOPs")
     if "mfu" in figures:
-        text += f" = {figures['mfu']:.1%} MFU of {figures['peak_tflops']:.0f} TFLOP/s dense bf16"
+        text += (f" = {human_percent(figures['mfu'], 1)} MFU of {human_si(figures['peak_tflops'] * 1e12, 'FLOP/s')}"
+                 " dense bf16")
     if figures.get("kernel_time_share"):
-        text += (f"; GPU busy {figures['gpu_busy_fraction']:.0%} of the profiled steps, kernel time: " +
-                 ", ".join(f"{k} {v:.0%}" for k, v in figures["kernel_time_share"].items()))
+        text += (f"; GPU busy {human_percent(figures['gpu_busy_fraction'])} of the profiled steps, kernel time: " +
+                 ", ".join(f"{k} {human_percent(v)}" for k, v in figures["kernel_time_share"].items()))
     return text
 
 
@@ -301,9 +303,9 @@ def check_capstone_compiled(d_model: int = 2048, layers: int = 8, heads: int = 1
         fig["warmup_extra_seconds"] = compile_seconds(fig["step_seconds"], warmup)
         figures[variant] = fig
         texts.append(f"{variant}: {fig['tokens_per_s']:,.0f} tokens/s"
-                     + (f", MFU {fig['mfu']:.1%}" if "mfu" in fig else "")
-                     + (f", GPU busy {fig['gpu_busy_fraction']:.0%}" if fig.get("gpu_busy_fraction") else "")
-                     + (", kernels " + "/".join(f"{k} {v:.0%}" for k, v in fig["kernel_time_share"].items())
+                     + (f", MFU {human_percent(fig['mfu'], 1)}" if "mfu" in fig else "")
+                     + (f", GPU busy {human_percent(fig['gpu_busy_fraction'])}" if fig.get("gpu_busy_fraction") else "")
+                     + (", kernels " + "/".join(f"{k} {human_percent(v)}" for k, v in fig["kernel_time_share"].items())
                         if fig.get("kernel_time_share") else "")
                      + f", warm-up beyond ordinary steps {fig['warmup_extra_seconds']:.1f} s")
     eager, compiled = figures.get("eager", {}), figures.get("compiled_fused", {})
@@ -653,7 +655,8 @@ def check_fp8(sizes=(4096, 8192), steps: int = 20, d_model: int = 1024, layers: 
         bench[n] = {"bf16_ms": bf16_ms, "fp8_ms": fp8_ms, "fp8_with_scaling_ms": quant_ms,
                     "bf16_tflops": flops / bf16_ms / 1e9, "fp8_tflops": flops / fp8_ms / 1e9,
                     "speedup": bf16_ms / fp8_ms, "speedup_with_scaling": bf16_ms / quant_ms}
-        texts.append(f"{n}^3: bf16 {bench[n]['bf16_tflops']:.0f} TFLOP/s, fp8 {bench[n]['fp8_tflops']:.0f} "
+        texts.append(f"{n}^3: bf16 {human_si(flops / bf16_ms * 1e3, 'FLOP/s')}, fp8 "
+                     f"{human_si(flops / fp8_ms * 1e3, 'FLOP/s')} "
                      f"({bench[n]['speedup']:.2f}x; {bench[n]['speedup_with_scaling']:.2f}x with the scaling)")
         del a, w, a8, w8
     figures["matmul"] = bench
@@ -816,7 +819,7 @@ def check_default_sizes():
             + (f"{f3['median_step_ms']:.2f} ms/step (forward {f3['median_forward_ms']:.2f}, backward "
                f"{f3['median_backward_ms']:.2f})" if f3["median_step_ms"] else f"FAILED {f3['error']}")
             + "; ch07 precision defaults: "
-            + (", ".join(f"{k} peak {(v['cuda_peak'] or 0) / 2**20:.2f} MiB" for k, v in f7["recipes"].items())
+            + (", ".join(f"{k} peak {human_bytes(v['cuda_peak'] or 0)}" for k, v in f7["recipes"].items())
                or f"FAILED {f7['error']}"))
     return res03.ok and res07.ok and bool(steps) and bool(rows), text, figures, res07
 

@@ -21,6 +21,7 @@ import textwrap
 from matplotlib.figure import Figure
 
 from . import costs
+from .units import human_bytes
 
 PARTS = ("parameters", "gradients", "optimizer states")
 STAGE_NAMES = {0: "DDP (no sharding)", 1: "ZeRO-1: optimizer states", 2: "ZeRO-2: + gradients",
@@ -74,11 +75,8 @@ def largest_model(device_bytes, world_size, stage, **kwargs) -> float:
 
 
 def gb(num_bytes) -> str:
-    """'31.4 GB' (decimal GB, as the ZeRO paper), '512 MB', '1.2 kB'."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.3g} {unit}"
-    return f"{num_bytes:.3g} B"
+    """'31.4 GB', '512 MB': model memory in decimal units, as the ZeRO paper (units.human_bytes)."""
+    return human_bytes(num_bytes, decimal=True)
 
 
 def stages_table(num_params, world_size, **kwargs) -> list[dict]:

@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 from matplotlib import colors, patches, ticker, transforms  # noqa: E402
 
 from . import costs  # noqa: E402
+from .units import human_bytes, human_seconds  # noqa: E402, F401 - the chapters call plots.human_bytes
 
 GB = 1e9
 OP_COLOURS = {"all_reduce": "tab:blue", "all_gather": "tab:orange", "reduce_scatter": "tab:green",
@@ -33,23 +34,6 @@ def _finish(fig):
     fig.tight_layout()
     plt.close(fig)  # the caller displays it; pyplot must not show it a second time
     return fig
-
-
-def human_bytes(n: float) -> str:
-    """8 -> '8 B', 1536 -> '1.5 KiB', 2**24 -> '16 MiB'."""
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:g} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return f"{n:.3g} GiB"
-
-
-def human_seconds(t: float) -> str:
-    """2.5e-6 -> '2.5 µs', 0.00284 -> '2.84 ms', 1.5 -> '1.5 s'."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
-        if abs(t) >= scale:
-            return f"{t / scale:.3g} {unit}"
-    return f"{t * 1e6:.3g} µs"
 
 
 # --- what a collective did, rank by rank ----------------------------------------------------------

@@ -6,7 +6,8 @@
     timeline.timeline_plot(a)        # one lane per rank: compute above, communication below, steps shaded
     timeline.breakdown_plot(a)       # mean step per rank: compute | overlapped comm | exposed comm | other
     timeline.step_time_plot(a)       # spread of step times per rank
-    timeline.scaling_plot({1: 410.0, 2: 760.0, 4: 1310.0}, mode="strong")
+    timeline.scaling_plot({1: 410.0, 2: 760.0, 4: 1310.0}, mode="strong")  # measured: throughput, efficiency
+    timeline.throughput_efficiency_plot({"modelled": widgets.simulate(...)})  # the same chart, of any rows
 
 Every function returns a matplotlib Figure built without pyplot (a notebook shows it once, and nothing is left
 in pyplot's global state); pass ax= to draw into an axes of your own. Titles name the run, device, backend
@@ -19,7 +20,9 @@ import math
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from . import costs
 from .traces import RunAnalysis, clip, intersect, subtract
+from .units import human_percent
 
 COLORS = {"compute": "#4c72b0", "overlapped": "#f0a33a", "exposed": "#c44e52", "other": "#c8c8c8",
           "step": "#f2f2f2"}
@@ -88,7 +91,7 @@ def breakdown_plot(analysis: RunAnalysis, *, ax=None):
         bottom = [b + m for b, m in zip(bottom, ms)]
     for i, r in enumerate(ranks):
         overlap = analysis.ranks[r].overlap
-        text = "no comm" if math.isnan(overlap) else f"{100 * overlap:.0f} % overlap"
+        text = "no comm" if math.isnan(overlap) else f"{human_percent(overlap)} overlap"
         ax.annotate(text, (i, bottom[i]), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("mean time per step (ms)")
     ax.set_title(f"Mean step per rank\n{analysis.label()}", fontsize=9)
@@ -116,11 +119,9 @@ def _mean(values) -> float:
 
 
 def efficiencies(throughput_by_world_size: dict) -> dict[int, float]:
-    """Scaling efficiency per world size N: throughput(N) / (N × throughput(1)).
+    """costs.scaling_efficiency at each world size N, against the smallest N measured (N0, usually 1).
 
-    Values may be numbers or lists of repeats (their mean is used). Without N=1, the smallest N measured is the
-    baseline: efficiency = throughput(N) / (N/N0 × throughput(N0)). The same formula serves strong scaling
-    (fixed global batch) and weak scaling (fixed batch per rank) when throughput counts samples per second.
+    Values may be numbers or lists of repeats (their mean is used).
     """
     if not throughput_by_world_size:
         raise ValueError("no measurements: pass {world_size: samples_per_s}, e.g. {1: 400.0, 2: 760.0}")
@@ -133,12 +134,12 @@ def efficiencies(throughput_by_world_size: dict) -> dict[int, float]:
                              "throughputs positive numbers (or lists of them)")
         means[n] = _mean(values)
     base = min(means)
-    return {n: t / (n / base * means[base]) for n, t in means.items()}
+    return {n: costs.scaling_efficiency(t, means[base], n, base) for n, t in means.items()}
 
 
 def scaling_plot(throughput_by_world_size: dict, *, mode: str = "strong", unit: str = "samples/s",
                  label: str = ""):
-    """Throughput and efficiency against world size, with the ideal (linear) line.
+    """Measured throughput and efficiency against world size (throughput_efficiency_plot), with the ideal.
 
     throughput_by_world_size: {N: samples_per_s} or {N: [repeats]} (then the error bars span min..max).
     mode: "strong" (fixed global problem) or "weak" (fixed problem per rank), for the titles.
@@ -147,28 +148,64 @@ def scaling_plot(throughput_by_world_size: dict, *, mode: str = "strong", unit: 
     if mode not in ("strong", "weak"):
         raise ValueError(f"mode must be 'strong' or 'weak', not {mode!r}")
     eff = efficiencies(throughput_by_world_size)
-    sizes = sorted(eff)
     runs = {n: (list(v) if isinstance(v, (list, tuple)) else [v]) for n, v in throughput_by_world_size.items()}
-    means = [_mean(runs[n]) for n in sizes]
-    base = sizes[0]
-    fig = Figure(figsize=(10, 4), layout="constrained")
-    ax_t, ax_e = fig.subplots(1, 2)
-    yerr = [[m - min(runs[n]) for m, n in zip(means, sizes)], [max(runs[n]) - m for m, n in zip(means, sizes)]]
-    ax_t.errorbar(sizes, means, yerr=yerr, marker="o", capsize=3, label="measured")
-    ax_t.plot(sizes, [means[0] * n / base for n in sizes], "--", color="0.5", label="ideal (linear)")
-    ax_t.set_xlabel("world size N")
-    ax_t.set_ylabel(f"throughput ({unit})")
+    rows = [{"world_size": n, "throughput": _mean(runs[n]), "efficiency": eff[n], "throughput_min": min(runs[n]),
+             "throughput_max": max(runs[n])} for n in sorted(eff)]
+    base = rows[0]["world_size"]
+    fig = throughput_efficiency_plot(
+        {"measured": rows}, unit=unit, title=f"{mode.capitalize()} scaling" + (f": {label}" if label else ""))
+    ax_t, ax_e = fig.axes
     ax_t.set_title("Throughput")
-    ax_t.legend(fontsize=8)
-    ax_e.plot(sizes, [100 * eff[n] for n in sizes], marker="o", label="measured")
-    ax_e.axhline(100, ls="--", color="0.5", label="ideal")
-    ax_e.set_ylim(0, max(110, 105 * max(eff.values())))
-    ax_e.set_xlabel("world size N")
-    ax_e.set_ylabel("efficiency (%)")
     ax_e.set_title(f"Efficiency = throughput / (N/{base} × throughput at N={base})" if base != 1 else
                    "Efficiency = throughput / (N × single-worker throughput)", fontsize=9)
-    ax_e.legend(fontsize=8)
+    return fig
+
+
+def throughput_efficiency_plot(curves: dict, *, unit: str = "samples/s", log: bool = False, title: str = "",
+                               vlines: dict | None = None, measured: dict | None = None):
+    """Throughput and efficiency against world size N: the course's one scaling chart, measured or modelled.
+
+    curves: {label: rows}, rows [{"world_size", "throughput", "efficiency"}] as widgets.simulate returns them;
+    "throughput_min" and "throughput_max" in a row (repeats) draw error bars. Each curve gets its ideal: linear
+    from its first row. log: log axes (world sizes in powers of two). vlines: {label: N}, a dotted line in that
+    curve's colour (the simulator's turning points). measured: {N: efficiency} drawn as dots over modelled
+    curves. One legend below both panels, so it never hides a curve; fig.axes: (throughput, efficiency).
+    """
+    fig = Figure(figsize=(11, 4.4 + 0.3 * len(curves)), layout="constrained")
+    ax_t, ax_e = fig.subplots(1, 2)
+    for i, (label, rows) in enumerate(curves.items()):
+        ns, tp = [r["world_size"] for r in rows], [r["throughput"] for r in rows]
+        style = {"color": f"C{i}", "ls": "-" if i == 0 else "--", "lw": 2 if i == 0 else 1.2,
+                 "marker": "o", "ms": 3}
+        spread = [[t - r.get("throughput_min", t) for t, r in zip(tp, rows)],
+                  [r.get("throughput_max", t) - t for t, r in zip(tp, rows)]]
+        ax_t.errorbar(ns, tp, yerr=spread if any(map(any, spread)) else None, capsize=3, label=label, **style)
+        ax_e.plot(ns, [100 * r["efficiency"] for r in rows], label=label, **style)
+        per_rank = tp[0] / ns[0]
+        ax_t.plot(ns, [per_rank * n for n in ns], color=f"C{i}", ls=":", lw=0.8,
+                  label="ideal (linear), dotted" if i == 0 else None)
+        if (vlines or {}).get(label) is not None:
+            for ax in (ax_t, ax_e):
+                ax.axvline(vlines[label], color=f"C{i}", ls=":", lw=1)
+    ax_e.axhline(100, color="0.5", ls=":", lw=0.8)
+    if measured:
+        sizes = sorted(measured)
+        ax_e.plot(sizes, [100 * measured[n] for n in sizes], "ko", ms=5, label="measured on this machine")
+    ns = sorted({r["world_size"] for rows in curves.values() for r in rows})
+    top = max(100 * r["efficiency"] for rows in curves.values() for r in rows)
+    ax_t.set(xlabel="world size N", ylabel=f"throughput ({unit})")
+    ax_e.set(xlabel="world size N", ylabel="efficiency (%)", ylim=(0, max(105, 1.05 * top)))
     for ax in (ax_t, ax_e):
-        ax.set_xticks(sizes)
-    fig.suptitle(f"{mode.capitalize()} scaling" + (f": {label}" if label else ""))
+        if log:
+            ax.set_xscale("log")
+        ax.set_xticks([n for n in ns if math.log2(n) % 2 == 0] if len(ns) > 8 else ns)
+        ax.get_xaxis().set_major_formatter("{x:g}")
+    if log:
+        ax_t.set_yscale("log")
+    handles = {}  # one entry per label, from both panels
+    for ax in (ax_t, ax_e):
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(name, handle)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", fontsize=8)
+    fig.suptitle(title, fontsize=10)
     return fig

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .contract import manifest_file, traces_dir
+from .units import human_percent
 
 Interval = tuple[float, float]  # (start_us, end_us)
 
@@ -212,7 +213,7 @@ class RunAnalysis:
         lines = [f"{self.label()}: {len(self.ranks)} of {self.world_size} rank(s) analysed",
                  "rank  steps   step ms  compute ms  comm ms  exposed ms  other ms  overlap"]
         for row in self.table():
-            overlap = "—" if math.isnan(row["overlap"]) else f"{100 * row['overlap']:.0f} %"
+            overlap = "—" if math.isnan(row["overlap"]) else human_percent(row["overlap"])
             lines.append(f"{row['rank']:>4}  {row['steps']:>5}  {row['step_ms']:>8.2f}  {row['compute_ms']:>10.2f}"
                          f"  {row['comm_ms']:>7.2f}  {row['exposed_comm_ms']:>10.2f}  {row['other_ms']:>8.2f}"
                          f"  {overlap:>7}")

@@ -23,12 +23,11 @@ import re
 import threading
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
-from . import costs
+from . import costs, timeline
 from .contract import traces_dir
 from .result import list_runs
 from .traces import TraceError, analyze_run
+from .units import human_percent, human_seconds, human_si
 
 FITTED = "your fitted α–β (this machine)"
 WORLD_SIZES = [2**k for k in range(15)]  # 1 … 16384: the simulator's world-size choices
@@ -66,7 +65,7 @@ def simulate(params_count, compute_s, world_sizes, alpha, beta, bucket_bytes=25 
                                 backward_fraction=backward_fraction, overlap_cost=overlap_cost)
         rows.append({"world_size": n, "compute_s": compute_s, "backward_s": m.backward, "comm_s": m.comm,
                      "exposed_s": m.exposed, "penalty_s": m.overlap_penalty, "step_s": m.step,
-                     "throughput": n * batch_per_gpu / m.step, "efficiency": compute_s / m.step,
+                     "throughput": n * batch_per_gpu / m.step, "efficiency": m.efficiency,
                      "comm_bound": m.exposed + m.overlap_penalty > compute_s,
                      "buckets": m.num_buckets})
     return rows
@@ -88,49 +87,24 @@ def _check_positive(value, name, hint):
         raise ValueError(f"{name} must be a positive number ({hint}), got {value!r}")
 
 
-def efficiency_text(efficiency: float) -> str:
-    """An efficiency as a learner reads it: whole percent, but never "0 %" for a small non-zero value (0.4 %)."""
-    return f"{100 * efficiency:.0f} %" if efficiency >= 0.01 or efficiency == 0 else f"{100 * efficiency:.1g} %"
-
-
 def simulation_plot(curves: dict, *, title: str = "", measured: dict | None = None):
-    """Throughput and efficiency against world size for each {label: simulate() rows}. Each curve's turning
-    point (first communication-bound N) is a vertical dotted line, and named in the legend.
-    measured: optional {N: efficiency} drawn as dots."""
-    fig = Figure(figsize=(11, 4.4 + 0.3 * len(curves) + (0.2 if measured else 0)), layout="constrained")
-    ax_t, ax_e = fig.subplots(1, 2)
-    for i, (label, rows) in enumerate(curves.items()):
-        ns = [r["world_size"] for r in rows]
+    """Modelled throughput and efficiency against world size for each {label: simulate() rows}
+    (timeline.throughput_efficiency_plot). Each curve's turning point (first communication-bound N) is a
+    vertical dotted line, and named in the legend. measured: optional {N: efficiency} drawn as dots."""
+    labelled, points = {}, {}
+    for label, rows in curves.items():
         point = turning_point(rows)
         label += f" — comm-bound from N = {point}" if point else " — compute-bound throughout"
-        style = {"color": f"C{i}", "ls": "-" if i == 0 else "--", "lw": 2 if i == 0 else 1.2}
-        ax_t.plot(ns, [r["throughput"] for r in rows], label=label, **style)
-        ax_e.plot(ns, [100 * r["efficiency"] for r in rows], label=label, **style)
-        one = rows[0]["throughput"] / rows[0]["world_size"]  # ideal: N × one GPU's throughput
-        ax_t.plot(ns, [one * n for n in ns], color=f"C{i}", ls=":", lw=0.8,
-                  label="ideal (linear), dotted" if i == 0 else None)
-        if point is not None:
-            for ax in (ax_t, ax_e):
-                ax.axvline(point, color=f"C{i}", ls=":", lw=1)
-    ns = sorted({r["world_size"] for rows in curves.values() for r in rows})
+        labelled[label], points[label] = rows, point
+    fig = timeline.throughput_efficiency_plot(
+        labelled, log=True, vlines=points, measured=measured,
+        title=title or "DDP weak scaling, modelled (α–β ring all-reduce, bucketed)")
+    ax_t, ax_e = fig.axes
     ax_e.axhline(50, color="0.6", ls=":", lw=1)
-    ax_e.text(ns[0], 51, "50 %: exposed comm = compute (beyond: comm-bound)", fontsize=7, color="0.4")
-    if measured:
-        sizes = sorted(measured)
-        ax_e.plot(sizes, [100 * measured[n] for n in sizes], "ko", ms=5, label="measured on this machine")
-    ax_t.set(xscale="log", yscale="log", xlabel="world size N (GPUs)", ylabel="throughput (samples/s)",
-             title="Throughput (modelled)")
-    ax_e.set(xscale="log", ylim=(0, 105), xlabel="world size N (GPUs)", ylabel="efficiency (%)",
-             title="Efficiency = throughput / (N × one GPU's), modelled")
-    for ax in (ax_t, ax_e):
-        ax.set_xticks([n for n in ns if math.log2(n) % 2 == 0] if len(ns) > 8 else ns)
-        ax.get_xaxis().set_major_formatter("{x:g}")
-    handles = {}  # one legend for both panels, below them: it never hides a curve
-    for ax in (ax_t, ax_e):
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(label, handle)
-    fig.legend(handles.values(), handles.keys(), loc="outside lower center", fontsize=8)
-    fig.suptitle(title or "DDP weak scaling, modelled (α–β ring all-reduce, bucketed)", fontsize=10)
+    ax_e.text(min(r["world_size"] for rows in curves.values() for r in rows), 51,
+              "50 %: exposed comm = compute (beyond: comm-bound)", fontsize=7, color="0.4")
+    ax_t.set(xlabel="world size N (GPUs)", title="Throughput (modelled)")
+    ax_e.set(xlabel="world size N (GPUs)", title="Efficiency = throughput / (N × one GPU's), modelled")
     return fig
 
 
@@ -231,8 +205,6 @@ class RunExplorer:
             self.analysis, self.figures = None, []
             show_in(self.out, text=f"cannot analyse {Path(run_dir).name}: {err}")
             return
-        from . import timeline
-
         self.figures = [timeline.timeline_plot(self.analysis), timeline.breakdown_plot(self.analysis)]
         show_in(self.out, self.figures, self.analysis.summary())
 
@@ -337,8 +309,8 @@ class ScalingSimulator:
             where = self.measured.get("label", "this machine")
             return self.measured["alpha"], self.measured["beta"], f"α–β fitted on {where}"
         ic = costs.INTERCONNECTS[self.interconnect.value]
-        return ic.alpha, ic.beta, f"{ic.name} (nominal: {ic.bandwidth_bytes_per_s / 1e9:g} GB/s per direction, " \
-                                  f"α = {ic.alpha * 1e6:g} µs)"
+        return ic.alpha, ic.beta, (f"{ic.name} (nominal: {human_si(ic.bandwidth_bytes_per_s, 'B/s')} per "
+                                   f"direction, α = {human_seconds(ic.alpha)})")
 
     def update(self) -> None:
         """Recompute the model from the controls and redraw."""
@@ -375,23 +347,14 @@ class ScalingSimulator:
         last, point = self.rows[-1], turning_point(self.rows)
         turn = (f"communication-bound (communication's cost &gt; compute) from <b>N = {point}</b>" if point else
                 "compute-bound over the whole range (communication's cost ≤ compute)")
-        penalty = f" + overlap cost {_time(last['penalty_s'])}" if last["penalty_s"] else ""
-        return (f"<b>Modelled</b>: {turn}. At N = {last['world_size']}: step {_time(last['step_s'])} "
-                f"(compute {_time(last['compute_s'])} + exposed comm {_time(last['exposed_s'])}{penalty}; "
-                f"all-reduce {_time(last['comm_s'])} in {last['buckets']} bucket(s)), "
-                f"efficiency <b>{efficiency_text(last['efficiency'])}</b>, {last['throughput']:.3g} samples/s.")
+        penalty = f" + overlap cost {human_seconds(last['penalty_s'])}" if last["penalty_s"] else ""
+        return (f"<b>Modelled</b>: {turn}. At N = {last['world_size']}: step {human_seconds(last['step_s'])} "
+                f"(compute {human_seconds(last['compute_s'])} + exposed comm {human_seconds(last['exposed_s'])}"
+                f"{penalty}; all-reduce {human_seconds(last['comm_s'])} in {last['buckets']} bucket(s)), "
+                f"efficiency <b>{human_percent(last['efficiency'])}</b>, {last['throughput']:.3g} samples/s.")
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
-
-
-def _time(seconds: float) -> str:
-    """'50.1 ms', '9.18 s', '2.5 min', '27 h': readable across the simulator's range."""
-    if seconds < 1:
-        return f"{seconds * 1e3:.3g} ms"
-    if seconds < 120:
-        return f"{seconds:.3g} s"
-    return f"{seconds / 60:.3g} min" if seconds < 2 * 3600 else f"{seconds / 3600:.3g} h"
 
 
 def scaling_simulator(measured: dict | None = None) -> ScalingSimulator:

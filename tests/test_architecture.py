@@ -151,7 +151,7 @@ def test_no_module_uses_another_modules_private_names(package):
 LAYERS = {
     "run": ["contract", "paths", "procs", "hardware", "tail", "result", "agent", "live", "launcher", "runtime",
             "slurm"],  # running jobs: the launcher, its agent, the ranks' runtime, what a run leaves on disk
-    "models": ["costs", "traces"],  # the cost models, and what a profiler trace says
+    "models": ["units", "costs", "traces"],  # number formats, the cost models, and what a profiler trace says
     "viz": ["plots", "timeline", "widgets", "memory", "quiz"],  # what a learner sees: charts, widgets, quizzes
     "tools": ["argtypes", "cli", "course", "doctor_job", "exercises", "gpu_check", "grading", "labconfig",
               "release"],  # what people run: grading, releases, the course in batch, the GPU check, the CLI

@@ -567,16 +567,18 @@ def modelled_summary(state: dict) -> list[str]:
     """What the simulator's summary must say for these control values, from gpucourse.costs (the one model):
     the step, its parts and the efficiency at the largest world size chosen."""
     from gpucourse import costs
-    from gpucourse.widgets import FITTED, _time, efficiency_text
+    from gpucourse.units import human_percent, human_seconds
+    from gpucourse.widgets import FITTED
 
     assert state["interconnect"] == FITTED  # the measured α–β below
     n, compute_s = state["world_hi"], state["compute_ms"] / 1e3
     m = costs.ddp_step_time(compute_s, round(state["params"] * state["dtype"]), n, SIMULATOR_GIVEN["alpha"],
                             SIMULATOR_GIVEN["beta"], bucket_bytes=state["bucket_mb"] * 2**20, overlap=state["overlap"],
                             backward_fraction=state["backward"], overlap_cost=state["overlap_cost"])
-    return [f"At N = {n}: step {_time(m.step)}", f"compute {_time(compute_s)}", f"exposed comm {_time(m.exposed)}",
-            f"overlap cost {_time(m.overlap_penalty)}", f"all-reduce {_time(m.comm)} in {m.num_buckets} bucket(s)",
-            f"efficiency {efficiency_text(compute_s / m.step)}", f"{n * state['batch'] / m.step:.3g} samples/s"]
+    return [f"At N = {n}: step {human_seconds(m.step)}", f"compute {human_seconds(compute_s)}",
+            f"exposed comm {human_seconds(m.exposed)}", f"overlap cost {human_seconds(m.overlap_penalty)}",
+            f"all-reduce {human_seconds(m.comm)} in {m.num_buckets} bucket(s)",
+            f"efficiency {human_percent(compute_s / m.step)}", f"{n * state['batch'] / m.step:.3g} samples/s"]
 
 
 def test_scaling_simulator_follows_its_sliders(lab, browser):

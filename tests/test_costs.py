@@ -278,7 +278,16 @@ def test_ddp_step_overlap_exposes_only_last_bucket():
     assert r.comm == pytest.approx(4 * 0.0393816)
     assert r.exposed == pytest.approx(0.0393816)
     assert r.step == pytest.approx(0.5393816)
-    assert scaling_efficiency(0.5, r.step) == pytest.approx(0.5 / 0.5393816)
+    assert scaling_efficiency(step_s=r.step, base_step_s=0.5) == pytest.approx(0.5 / 0.5393816)
+    assert r.efficiency == scaling_efficiency(step_s=r.step, base_step_s=r.compute)
+
+
+def test_scaling_efficiency_from_throughputs_against_a_baseline_world_size():
+    assert scaling_efficiency(180.0, 100.0, 2) == pytest.approx(0.9)  # 180 / (2 × 100)
+    assert scaling_efficiency(300.0, 200.0, 4, 2) == pytest.approx(0.75)  # baseline N0 = 2: 300 / (4/2 × 200)
+    # weak scaling: throughput = N × batch / step, so the step-time form agrees
+    assert scaling_efficiency(step_s=0.25, base_step_s=0.2) == pytest.approx(
+        scaling_efficiency(4 * 32 / 0.25, 32 / 0.2, 4))
 
 
 def test_ddp_step_without_overlap_and_with_partial_bucket():
@@ -421,7 +430,9 @@ def test_ddp_step_with_no_gradients_or_one_rank_communicates_nothing():
     (lambda: ddp_step_time(0.1, 1e6, 4, 1e-5, 1e-9, overlap_cost=1.5), "overlap_cost"),
     (lambda: ddp_step_time(0.1, 1e6, 4, 1e-5, 1e-9, overlap_cost=-0.1), "overlap_cost"),
     (lambda: fit_alpha_beta([1, 2], [1e-3, 2e-3], n=1), r"\bn\b"),
-    (lambda: scaling_efficiency(0, 1), "single_step_s"),
+    (lambda: scaling_efficiency(step_s=0, base_step_s=1), "step_s"),
+    (lambda: scaling_efficiency(100.0, 0), "base_throughput"),
+    (lambda: scaling_efficiency(100.0, step_s=1), "not both"),
 ])
 def test_invalid_inputs_raise_naming_the_argument(call, match):
     with pytest.raises(ValueError, match=match):

@@ -136,11 +136,3 @@ def test_interconnect_plot_hatches_modelled_bars_and_names_the_measured_one():
         bars = [p for p in ax.patches if isinstance(p, matplotlib.patches.Rectangle)]
         assert [bool(b.get_hatch()) for b in bars] == [True, True, False]
         assert f"this machine (measured: {LABEL})" in [t.get_text() for t in ax.get_yticklabels()]
-
-
-def test_human_seconds():
-    assert [plots.human_seconds(t) for t in (2.5e-6, 0.00284, 1.5)] == ["2.5 µs", "2.84 ms", "1.5 s"]
-
-
-def test_human_bytes():
-    assert [plots.human_bytes(n) for n in (8, 1536, 2**24)] == ["8 B", "1.5 KiB", "16 MiB"]

@@ -258,10 +258,3 @@ def test_explorer_reports_a_broken_trace_instead_of_raising(tmp_path):
     (run_dir / "traces" / "rank0.json").write_text("{ truncated")
     ex = run_explorer(tmp_path)
     assert ex.analysis is None and "cannot analyse broken" in ex.out.outputs[-1]["text"]
-
-
-def test_efficiency_text_never_rounds_a_small_efficiency_to_zero():
-    from gpucourse.widgets import efficiency_text
-
-    assert [efficiency_text(x) for x in (1.0, 0.5, 0.0149, 0.004, 0.0)] == ["100 %", "50 %", "1 %", "0.4 %", "0 %"]
-

@@ -7,6 +7,7 @@ import re
 import shutil
 import textwrap
 import time
+from pathlib import Path
 from functools import partial
 from types import SimpleNamespace
 
@@ -433,11 +434,10 @@ def job_processes(runs_dir) -> list:
 
 
 @pytest.mark.slow
-def test_misbehaving_code_is_graded_in_bounded_time_and_leaves_nothing(tmp_path, monkeypatch):
+def test_misbehaving_code_is_graded_in_bounded_time_and_leaves_nothing(tmp_path, runs_dir, monkeypatch):
     """Graded in one batch with the solution after it: what the misbehaving submission did (a flood, a deadlock, a
     rank that leaves, an exception) costs its own points, in bounded time, and nothing of the next one's."""
-    runs = tmp_path / "runs"
-    monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(runs))
+    runs = runs_dir
     bad, good = tmp_path / "bad", tmp_path / "good"
     bad.mkdir(), good.mkdir()
     (bad / "ex01_ring_allreduce.py").write_text(MISBEHAVING)
@@ -470,23 +470,25 @@ def test_every_grader_gives_solutions_full_marks_and_untouched_exercises_zero(na
     assert untouched.tests and [t.name for t in untouched.tests if t.score] == [], untouched.table()
 
 
-@pytest.mark.slow
-def test_ex09_untouched_shows_what_its_docstring_says(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", [pytest.param("ex09_fix_2d", marks=graded("ex09_fix_2d"))])
+def test_ex09_untouched_shows_what_its_docstring_says(name, grade_batch, graded_batch):
     """ex09 hands out a buggy step, not a stub: what its docstring says the learner will see is what its jobs record.
     The losses differ from one process at step 0 on every mesh, far beyond rounding; the two tp ranks of a group
     return different losses (2x2, 1x2); the embedding and head differ between tp ranks (the init case)."""
-    monkeypatch.setenv("GPUCOURSE_RUNS_DIR", str(tmp_path))
-    report = grading.grade("ex09_fix_2d", "exercises")
+    report = graded_batch(name)["exercises"]  # read from ex09's batch: its records of the untouched exercise
     assert report.tests and report.score == 0, report.table()
-    job = job_module(exercises.grader_files()["ex09_fix_2d"])
+    batch = grade_batch(name)
+    untouched = [Path(s).parent.name for s in json.loads((batch / BATCH_FILE).read_text())["submissions"]].index(
+        "exercises")
+    job = job_module(exercises.grader_files()[name])
     reference = job.reference(job.course_model())  # the grader's one process, as the grader computes it
     records = {}
-    for run in tmp_path.glob("grade-ex09-*"):
+    for run in batch.glob("runs/grade-ex09-*"):
         mesh = run.name.split("-")[2]
         tp = int(mesh.split("x")[1])  # ranks lie on the (dp, tp) mesh row by row
         for path in (run / "metrics").glob("rank*.jsonl"):
             for rec in map(json.loads, path.read_text().splitlines()):
-                if rec.get("case") in ("init", "train"):
+                if rec.get("case") in ("init", "train") and rec.get("sub") == untouched:
                     rec["run_dir"] = run
                     records.setdefault(mesh, {}).setdefault(rec["case"], {})[divmod(rec["rank"], tp)] = rec
     assert sorted(records) == ["1x2", "2x1", "2x2"], sorted(records)

@@ -34,11 +34,11 @@ $(LAB_OVERRIDES): $(STAMP)
 	@test -e $@ || echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' > $@
 
 # The status bar said "Idle" while a launch cell ran: JupyterLab took the status of a kernel-subshell request for the
-# kernel's. The server setting that makes it ignore those (gpucourse/labconfig.py says why), in this .venv's config.
+# kernel's. The server setting that makes it ignore those (gpucourse/tools/labconfig.py says why), in this .venv's config.
 SERVER_CONFIG := $(VENV)/etc/jupyter/jupyter_server_config.json
 
-$(SERVER_CONFIG): $(STAMP) gpucourse/labconfig.py
-	@$(BIN)/python -m gpucourse.labconfig $(VENV)
+$(SERVER_CONFIG): $(STAMP) gpucourse/tools/labconfig.py
+	@$(BIN)/python -m gpucourse.tools.labconfig $(VENV)
 
 lab: kernel $(LAB_OVERRIDES) $(SERVER_CONFIG)
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)

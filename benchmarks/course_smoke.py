@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpucourse.course import run_course, table  # noqa: E402
+from gpucourse.tools.course import run_course, table  # noqa: E402
 
 os.environ.setdefault("GPUCOURSE_RUNS_DIR", tempfile.mkdtemp(prefix="course-smoke-runs-"))
 results = run_course(smoke=True, output=Path(tempfile.mkdtemp(prefix="course-smoke-")))

@@ -5,7 +5,7 @@
 Launches itself through gpucourse.launch (one real torchrun job). Every rank alternates the two
 implementations on the same float32 buffer, swapping which goes first each repeat so that neither
 always runs on a warmer machine, and logs its times. Per repeat the slowest rank sets the time;
-the busbw of each (nccl-tests definition, gpucourse.costs.busbw) and the ratio ours/gloo are
+the busbw of each (nccl-tests definition, gpucourse.models.costs.busbw) and the ratio ours/gloo are
 printed from the median repeat (goal: ratio >= 0.8) and from the best one.
 """
 import argparse

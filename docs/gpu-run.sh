@@ -28,7 +28,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     "$REPO"/.whl/*.whl || { echo "gpu-run: wheel install FAILED"; }
 export PYTHONPATH=/tmp/site:$REPO PYTHONUNBUFFERED=1 GPUCOURSE_RUNS_DIR=/tmp/runs
 mkdir -p /tmp/bin /tmp/runs
-printf '#!/bin/sh\nexec python3 -m gpucourse.cli "$@"\n' > /tmp/bin/gpucourse && chmod +x /tmp/bin/gpucourse
+printf '#!/bin/sh\nexec python3 -m gpucourse.tools.cli "$@"\n' > /tmp/bin/gpucourse && chmod +x /tmp/bin/gpucourse
 export PATH=/tmp/bin:/tmp/site/bin:$PATH
 python3 -m ipykernel install --user --name gpucourse --display-name "Python (gpucourse)" \
     || echo "gpu-run: kernel install FAILED"

@@ -5,7 +5,7 @@
 One rank is enough: precision is about what each rank holds and computes, whatever the world size. Parts:
   recipe    AdamW steps in each recipe (fp32; bf16 autocast; bf16 parameters + fp32 master weights; everything
             bf16), then the bytes of parameters, gradients, master weights and optimizer states, counted from
-            the tensors (gpucourse.memory.model_state_bytes) and checked against costs.recipe_bytes_per_param:
+            the tensors (gpucourse.models.memory.model_state_bytes) and checked against costs.recipe_bytes_per_param:
             the run fails if they differ. Also counted: the 16-bit weight copies autocast keeps for backward,
             and how many weights the last step left unchanged. On a GPU, torch.cuda.max_memory_allocated too.
   scaler    fp16 autocast + torch.amp.GradScaler, the scale started too large on purpose: each overflowing step
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from gpucourse import costs, runtime
-from gpucourse.memory import model_state_bytes
+from gpucourse.models.memory import model_state_bytes
 
 LR = 1e-4            # AdamW's step moves each weight by about LR: below bf16's resolution for |w| > ~2^-5
 HALF = torch.bfloat16

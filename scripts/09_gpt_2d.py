@@ -14,7 +14,7 @@ Records: first the all-reduces each block issued in one forward and one backward
 training; that step's gradients are dropped), then one per step (loss averaged over the global batch, step
 seconds), then a summary: tokens/s over the
 timed steps, bytes of parameters, gradients and optimizer state held by this rank (DTensor local shards),
-validation loss, a text sample. --profile N profiles N more steps (traces/rank<r>.json for gpucourse.traces).
+validation loss, a text sample. --profile N profiles N more steps (traces/rank<r>.json for gpucourse.models.traces).
 The same script runs on GPUs: the runtime picks NCCL and cuda:<local rank>; --dtype auto trains in bf16 there.
 """
 import argparse
@@ -138,7 +138,7 @@ def matmul_params(model: nn.Module) -> int:
 
 
 def flops_per_token(model: GPT, causal: bool = False) -> float:
-    """Model FLOPs per trained token, PaLM appendix B: 6 N + 12 L d T (gpucourse.costs.model_flops_per_token).
+    """Model FLOPs per trained token, PaLM appendix B: 6 N + 12 L d T (gpucourse.models.costs.model_flops_per_token).
     causal=True counts only the unmasked half of attention's work, the useful part of a causal model."""
     return costs.model_flops_per_token(matmul_params(model), len(model.blocks), model.tok.embedding_dim,
                                        model.context, causal=causal)

@@ -24,7 +24,6 @@ the collapse that the load-balancing loss fights), "uniform" (a perfectly balanc
 the routing the volume formula assumes).
 """
 import argparse
-import copy
 import time
 from functools import partial
 

@@ -8,7 +8,7 @@ what DDP would do on more ranks than the machine has (weak scaling: each rank ke
 per step stays the same) and where communication starts to dominate. Write:
 
 - `fit_all_reduce(sizes_bytes, times_s, world_size)`: (alpha, beta) of the all-reduce times measured on
-  `world_size` ranks, fitted to the ring model below exactly as `gpucourse.costs.fit_alpha_beta` does (use it).
+  `world_size` ranks, fitted to the ring model below exactly as `gpucourse.models.costs.fit_alpha_beta` does (use it).
 - `all_reduce_time(size_bytes, world_size, alpha, beta)`: a ring all-reduce of `size_bytes` bytes on
   `world_size` ranks: 2(N−1)·alpha + 2(N−1)/N · size_bytes · beta (chapter 01); 0.0 on one rank.
 - `gradient_bytes(model)`: the bytes of the gradients DDP all-reduces every step: every parameter that
@@ -19,7 +19,7 @@ per step stays the same) and where communication starts to dominate. Write:
   message, one after the other. They can hide behind the BACKWARD pass only (the forward pass runs before any
   gradient exists), and the last bucket is ready only when backward ends:
       exposed = max(time of the last bucket, all buckets' time − m.backward_s)
-  (chapter 03, section 5; `gpucourse.costs.ddp_step_time` with its default overlap_cost=0 is this model:
+  (chapter 03, section 5; `gpucourse.models.costs.ddp_step_time` with its default overlap_cost=0 is this model:
   write it yourself here. Overlap is taken to be free, as on a GPU; the chapter measures what it costs on
   CPU cores, where gloo's thread and compute share the cores).
 - `scaling_efficiency(m, world_sizes)`: {N: efficiency} for each N of `world_sizes`, in the order given.
@@ -37,7 +37,7 @@ Rules
 
 Graded against your own measurements: `gpucourse grade ex03` runs a real 2-rank job that times an all-reduce
 sweep and a training step of a small MLP on this machine, calls your functions on those measurements (and on a
-few fixed configurations), and compares with the course's own model (`gpucourse.costs`) on the same inputs.
+few fixed configurations), and compares with the course's own model (`gpucourse.models.costs`) on the same inputs.
 Nothing is graded on how fast anything ran.
 """
 import numbers

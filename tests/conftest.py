@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpucourse.contract import RUN_DIR_ENV, RUNS_ENV
-from gpucourse.grading.plugin import RESULTS_ENV
-from gpucourse.procs import terminate
+from gpucourse.run.contract import RUN_DIR_ENV, RUNS_ENV
+from gpucourse.tools.grading.plugin import RESULTS_ENV
+from gpucourse.run.procs import terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -176,10 +176,10 @@ def graded(exercise: str) -> list:
 def grade_batch(tmp_path_factory):
     """batch(exercise) -> a folder for $GPUCOURSE_GRADE_BATCH: every grading of that exercise in this session
     (its solution, its untouched exercise, each mutant, and the solution again after them) shares one launch
-    per job (gpucourse/grading/records.py, Batch). Tests that use it run in the xdist group `grade-<exercise>`,
+    per job (gpucourse/tools/grading/records.py, Batch). Tests that use it run in the xdist group `grade-<exercise>`,
     so one worker launches each batch; the folder is shared by the session's workers all the same."""
     from gpucourse import exercises
-    from gpucourse.grading.plugin import BATCH_FILE
+    from gpucourse.tools.grading.plugin import BATCH_FILE
     from tests.mutants import all_mutants
 
     base = tmp_path_factory.getbasetemp()
@@ -215,8 +215,8 @@ def graded_batch(grade_batch):
     its folder ("solutions", "exercises", each mutant's name, "solution_after_the_mutants"): all graded in one
     pytest run (runner.grade_targets) over the batch's shared launches, the reports kept in the batch's folder for
     every worker. Call it with GPUCOURSE_GRADE_TIMING=report set, as every grading of the suite is."""
-    from gpucourse.grading.plugin import BATCH_FILE
-    from gpucourse.grading.runner import GradeReport, grade_targets
+    from gpucourse.tools.grading.plugin import BATCH_FILE
+    from gpucourse.tools.grading.runner import GradeReport, grade_targets
 
     def reports(exercise: str) -> dict:
         folder = grade_batch(exercise)
@@ -235,9 +235,9 @@ def graded_batch(grade_batch):
 
 # --- the `gpucourse` command --------------------------------------------------------------------------------
 def run_cli(*args, timeout=120, env=None, cwd=None) -> subprocess.CompletedProcess:
-    """`gpucourse ARGS...` as a learner types it (python -m gpucourse.cli), its output captured as UTF-8 text.
+    """`gpucourse ARGS...` as a learner types it (python -m gpucourse.tools.cli), its output captured as UTF-8 text.
     `env` is added to this process's environment (which holds $GPUCOURSE_RUNS_DIR under the runs_dir fixture)."""
-    return subprocess.run([sys.executable, "-m", "gpucourse.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gpucourse.tools.cli", *map(str, args)], capture_output=True, text=True,
                           encoding="utf-8", env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout)
 
 

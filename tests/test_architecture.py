@@ -132,7 +132,7 @@ def test_the_checks_catch_a_cycle_and_a_private_name():
 @pytest.fixture(scope="module")
 def package():
     used_by = uses(read_package())
-    assert any(t == "gpucourse.contract" for t, _, _ in used_by["gpucourse.launcher"]), "no import was read"
+    assert any(t == "gpucourse.run.contract" for t, _, _ in used_by["gpucourse.run.launcher"]), "no import was read"
     return used_by
 
 
@@ -147,20 +147,15 @@ def test_no_module_uses_another_modules_private_names(package):
                      "lowest module that both can import):\n" + "\n".join(bad))
 
 
-# The package's four layers, lowest first; a module may import its own layer's modules and lower ones only.
-LAYERS = {
-    "run": ["contract", "paths", "procs", "hardware", "tail", "result", "agent", "live", "launcher", "runtime",
-            "slurm"],  # running jobs: the launcher, its agent, the ranks' runtime, what a run leaves on disk
-    "models": ["units", "costs", "traces"],  # number formats, the cost models, and what a profiler trace says
-    "viz": ["plots", "timeline", "widgets", "memory", "quiz"],  # what a learner sees: charts, widgets, quizzes
-    "tools": ["argtypes", "cli", "course", "doctor_job", "exercises", "gpu_check", "grading", "labconfig",
-              "release"],  # what people run: grading, releases, the course in batch, the GPU check, the CLI
-}
+# The package's four layers, lowest first, one folder each (gpucourse/<layer>/); a module may import its own
+# layer's modules and lower ones only. What each owns: gpucourse/__init__.py and the README's "Architecture".
+LAYERS = ("run", "models", "viz", "tools")
 
 
 def layer_of(module: str) -> str | None:
-    name = module.removeprefix(f"{PACKAGE}.").split(".")[0]
-    return next((layer for layer, names in LAYERS.items() if name in names), None)
+    """'run' for gpucourse.run.launcher; None for the package itself or a module outside every layer folder."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
 
 
 def upward_imports(used_by: dict) -> list[str]:
@@ -172,9 +167,10 @@ def upward_imports(used_by: dict) -> list[str]:
 
 
 def test_the_layer_check_catches_an_upward_import():
-    sources = {"gpucourse/__init__.py": "", "gpucourse/launcher.py": "from . import widgets\n",
-               "gpucourse/widgets.py": "from .launcher import launch\n"}
-    assert upward_imports(uses(sources)) == ["gpucourse.launcher (run) line 1 -> gpucourse.widgets (viz)"]
+    sources = {"gpucourse/__init__.py": "", "gpucourse/run/__init__.py": "", "gpucourse/viz/__init__.py": "",
+               "gpucourse/run/launcher.py": "from ..viz import widgets\n",
+               "gpucourse/viz/widgets.py": "from ..run.launcher import launch\n"}
+    assert upward_imports(uses(sources)) == ["gpucourse.run.launcher (run) line 1 -> gpucourse.viz.widgets (viz)"]
 
 
 def test_every_module_has_a_layer_and_imports_only_downwards(package):
@@ -183,3 +179,23 @@ def test_every_module_has_a_layer_and_imports_only_downwards(package):
     upward = upward_imports(package)
     assert not upward, ("imports from a higher layer (move the shared thing down, or the importer up):\n"
                         + "\n".join(upward))
+
+
+def short_alias_imports(sources: dict[str, str]) -> list[str]:
+    """'path line N: from gpucourse import costs' for every package module that imports a layer module by the
+    public short name (gpucourse/__init__.py's lazy aliases): such an import hides its layer from the checks above."""
+    bad = []
+    for path, source in sources.items():
+        if path == f"{PACKAGE}/__init__.py":
+            continue
+        for node in ast.walk(ast.parse(source, path)):
+            if isinstance(node, ast.ImportFrom) and node.module == PACKAGE and not node.level:
+                bad += [f"{path} line {node.lineno}: from {PACKAGE} import {a.name}" for a in node.names]
+    return bad
+
+
+def test_the_package_imports_its_modules_by_their_layer_path():
+    assert short_alias_imports({"gpucourse/run/x.py": "from gpucourse import costs\n"}) == [
+        "gpucourse/run/x.py line 1: from gpucourse import costs"]  # the check can fail
+    bad = short_alias_imports(read_package())
+    assert not bad, "inside the package, import a module by its layer path (gpucourse.models.costs):\n" + "\n".join(bad)

@@ -10,10 +10,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gpucourse import cli, course
-from gpucourse.contract import RUNS_ENV
-from gpucourse.course import CourseError, execute_notebook
-from gpucourse.launcher import LaunchConfigError, launch
+from gpucourse.tools import cli, course
+from gpucourse.run.contract import RUNS_ENV
+from gpucourse.tools.course import CourseError, execute_notebook
+from gpucourse.run.launcher import LaunchConfigError, launch
 
 from .conftest import JOBS, run_cli
 

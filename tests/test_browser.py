@@ -2,7 +2,7 @@
 
 Each test starts its own JupyterLab on loopback, serving a temporary copy of notebooks/ (the repo is
 never touched), drives it with Playwright through Debian's chromium (no browser download), and reads
-the live launch view (gpucourse/live.py's WidgetView) from the page as rendered.
+the live launch view (gpucourse/run/live.py's WidgetView) from the page as rendered.
 Skipped, with the reason, only when playwright or /usr/bin/chromium is missing.
 """
 import json
@@ -169,7 +169,7 @@ def lab(tmp_path, runs_dir):
            "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "lab-settings"),
            "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "lab-workspaces"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter-runtime"),
-           # the server settings `make lab` writes into .venv (gpucourse/labconfig.py), here in a config dir of its own
+           # the server settings `make lab` writes into .venv (gpucourse/tools/labconfig.py), here in a config dir of its own
            "JUPYTER_CONFIG_DIR": str(labconfig.write(tmp_path / "jupyter-config").parent)}
     env.pop("GPUCOURSE_LIVE", None)  # the point is the widget view, whatever the caller's shell says
     cmd = [str(JUPYTER), "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
@@ -375,14 +375,14 @@ def test_interrupt_button_stops_the_launch(lab, browser):
 def test_widgets_show_the_values_they_were_given(lab, browser):
     """The browser draws a slider from its value; with a step it snapped the value to its grid and sent the
     snapped one back to the kernel (7.5e9 parameters became 7.94e9, 8.8 ms became 7.94 ms)."""
-    from gpucourse.memory import memory_calculator
+    from gpucourse.viz.widgets import memory_calculator
 
-    cells = [nbformat.v4.new_code_cell("from gpucourse.memory import memory_calculator\n"
+    cells = [nbformat.v4.new_code_cell("from gpucourse.viz.widgets import memory_calculator\n"
                                        "memory_calculator(num_params=7.5e9, world_size=64)"),
-                nbformat.v4.new_code_cell("from gpucourse.widgets import scaling_simulator\n"
+                nbformat.v4.new_code_cell("from gpucourse.viz.widgets import scaling_simulator\n"
                                        "scaling_simulator({'compute_s': 0.0088, 'grad_bytes': 4 * 7.5e9,\n"
                                        "                   'alpha': 3e-4, 'beta': 2e-9, 'bucket_mb': 3.3})"),
-                nbformat.v4.new_code_cell("from gpucourse.quiz import QuickCheck\n"
+                nbformat.v4.new_code_cell("from gpucourse.viz.quiz import QuickCheck\n"
                                        "QuickCheck('Which option?', ['this one', 'that one'], 1, 'ANSWER-TEXT')",
                                        metadata={"jupyter": {"source_hidden": True}})]  # as the chapters store it
     write_notebook(lab, "widgets.ipynb", cells)
@@ -434,7 +434,7 @@ IMAGE_FIT = """box => Array.from(box.querySelectorAll('img')).map(img =>
 def test_memory_calculator_fits_its_box(lab, browser):
     """Chapter 07's calculator as rendered: no dropdown label cut ('Adam / AdamW (m,', 'bf16/fp16 + fp32 ma'),
     the plot drawn at its own size. (The title and legend inside the plot are checked in test_memory.py.)"""
-    cells = [nbformat.v4.new_code_cell("from gpucourse.memory import memory_calculator\n"
+    cells = [nbformat.v4.new_code_cell("from gpucourse.viz.widgets import memory_calculator\n"
                                        "memory_calculator(num_params=7.5e9, world_size=64)")]
     write_notebook(lab, "calculator.ipynb", cells)
     page = open_notebook(browser, lab, "calculator.ipynb")
@@ -463,7 +463,7 @@ def assert_fits(box) -> None:
 def test_run_explorer_shows_a_profiled_run(lab, browser):
     """Chapter 03's run explorer on a real profiled job: the run listed, its timeline drawn, nothing cut."""
     worker = Path(__file__).resolve().parent / "jobs" / "worker.py"
-    cells = [nbformat.v4.new_code_cell(f"import gpucourse\nfrom gpucourse.widgets import run_explorer\n"
+    cells = [nbformat.v4.new_code_cell(f"import gpucourse\nfrom gpucourse.viz.widgets import run_explorer\n"
                                        f"gpucourse.launch({str(worker)!r}, nproc=2, args=['--steps', '4', "
                                        f"'--profile'], name='explored', live=False)"),
                 nbformat.v4.new_code_cell("run_explorer()")]
@@ -564,11 +564,11 @@ SIMULATOR_STATE = ("import json; print(json.dumps(dict(params=sim.params.value, 
 
 
 def modelled_summary(state: dict) -> list[str]:
-    """What the simulator's summary must say for these control values, from gpucourse.costs (the one model):
+    """What the simulator's summary must say for these control values, from gpucourse.models.costs (the one model):
     the step, its parts and the efficiency at the largest world size chosen."""
     from gpucourse import costs
-    from gpucourse.units import human_percent, human_seconds
-    from gpucourse.widgets import FITTED
+    from gpucourse.models.units import human_percent, human_seconds
+    from gpucourse.viz.widgets import FITTED
 
     assert state["interconnect"] == FITTED  # the measured α–β below
     n, compute_s = state["world_hi"], state["compute_ms"] / 1e3
@@ -584,8 +584,8 @@ def modelled_summary(state: dict) -> list[str]:
 def test_scaling_simulator_follows_its_sliders(lab, browser):
     """Chapter 03's simulator as a learner uses it: it starts at the values it was given (no snapping), and each
     slider moved from the keyboard changes the kernel's value, redraws the plot, and makes the summary say what
-    gpucourse.costs says for the new values. Nothing in it is cut."""
-    cells = [nbformat.v4.new_code_cell(f"from gpucourse.widgets import scaling_simulator\n"
+    gpucourse.models.costs says for the new values. Nothing in it is cut."""
+    cells = [nbformat.v4.new_code_cell(f"from gpucourse.viz.widgets import scaling_simulator\n"
                                        f"sim = scaling_simulator({SIMULATOR_GIVEN!r})\nsim")]
     write_notebook(lab, "simulator.ipynb", cells)
     page = open_notebook(browser, lab, "simulator.ipynb")

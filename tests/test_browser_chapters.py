@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucourse.course import find_notebooks, smoke_parameters, with_parameters
+from gpucourse.tools.course import find_notebooks, smoke_parameters, with_parameters
 
 from .conftest import ROOT
 from .test_browser import (KERNEL_START_S, PANEL, RUN_STATE, assert_fits, assert_nothing_running, browser, lab,

@@ -54,7 +54,7 @@ def test_bad_input_one_line_exit_two(runs_dir, args, message):
 
 
 def test_nccl_without_gpus_is_refused(runs_dir):
-    from gpucourse.hardware import gpu_count
+    from gpucourse.run.hardware import gpu_count
 
     if gpu_count() >= 2:
         pytest.skip("this machine has GPUs")

@@ -1,4 +1,4 @@
-"""Tests for gpucourse.costs against hand-computed numbers.
+"""Tests for gpucourse.models.costs against hand-computed numbers.
 
 Expected values are written out as arithmetic, never computed with the
 function under test, so a wrong formula fails here.
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gpucourse import costs
-from gpucourse.costs import (
+from gpucourse.models.costs import (
     INTERCONNECTS,
     AlphaBeta,
     algbw,
@@ -440,7 +440,7 @@ def test_invalid_inputs_raise_naming_the_argument(call, match):
 
 
 def test_module_imports_without_torch():
-    code = "import sys, gpucourse.costs; print('torch' in sys.modules)"
+    code = "import sys, gpucourse.models.costs; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=costs.__file__.rsplit("/gpucourse/", 1)[0], check=True)
     assert out.stdout.strip() == "False"

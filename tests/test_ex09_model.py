@@ -1,4 +1,4 @@
-"""ex09's grader trains its own copy of the course's model (gpucourse/grading/graders/_ex09_model.py), never the learner's file:
+"""ex09's grader trains its own copy of the course's model (gpucourse/tools/grading/graders/_ex09_model.py), never the learner's file:
 that copy and the classes the solution (hence the exercise) defines for the learner must stay one model.
 
 One model: the same parameter names and shapes, the same initial weights from the same seed (the grader compares
@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpucourse import exercises
-from gpucourse.grading.graders import _ex09_model as ex09_model
+from gpucourse.tools.grading.graders import _ex09_model as ex09_model
 
 NAME = "ex09_fix_2d"
 VOCAB, SEED = 32, 5  # as the ex09 grader's
@@ -70,7 +70,7 @@ def test_the_graders_model_is_the_courses(folder):
     for cls in ("TinyLM", "Block"):
         assert isinstance(getattr(module, cls, None), type), f"{path} defines no class {cls}"
     assert differences(ex09_model.TinyLM, module.TinyLM) == [], \
-        f"gpucourse/grading/graders/_ex09_model.py and {folder}/{NAME}.py define different models: make them the same again"
+        f"gpucourse/tools/grading/graders/_ex09_model.py and {folder}/{NAME}.py define different models: make them the same again"
 
 
 class _ReluBlock(ex09_model.Block):

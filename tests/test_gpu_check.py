@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from gpucourse import gpu_check
-from gpucourse.gpu_check import Outcome, run_check, write_report
+from gpucourse.tools import gpu_check
+from gpucourse.tools.gpu_check import Outcome, run_check, write_report
 
 from .conftest import run_cli
 

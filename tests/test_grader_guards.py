@@ -1,5 +1,5 @@
 """The graders' defences, checked without a grading run (seconds, not minutes): the communication recorder
-(gpucourse/grading/comm_recorder.py), the records' own writer and the bans (gpucourse/grading/jobkit.py).
+(gpucourse/tools/grading/comm_recorder.py), the records' own writer and the bans (gpucourse/tools/grading/jobkit.py).
 
 The recorder patches torch.distributed for the whole process, so those checks run in a child process with a
 one-rank gloo group (and, for which process group each call ran on, two child processes: a two-rank group).
@@ -19,7 +19,7 @@ import importlib, json, os, sys
 import torch, torch.distributed as dist
 from gpucourse import runtime
 ctx = runtime.setup()
-from gpucourse.grading import comm_recorder, jobkit
+from gpucourse.tools.grading import comm_recorder, jobkit
 log = jobkit.record_writer()
 rec = comm_recorder.install()
 out = {"wrapped": [hasattr(f, "__wrapped__") for f in (dist.all_reduce, dist.send, dist.ProcessGroup.allreduce,
@@ -101,7 +101,7 @@ PAIR = r'''
 import json, sys
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
-from gpucourse.grading import comm_recorder
+from gpucourse.tools.grading import comm_recorder
 import torch.distributed._functional_collectives as funcol
 rec = comm_recorder.install()
 rank, other = dist.get_rank(), 1 - dist.get_rank()
@@ -159,7 +159,7 @@ def test_every_call_is_placed_in_its_process_group(pair):
 @pytest.mark.parametrize("job, name", [("ex02_ddp", "BANNED"), ("ex07_fsdp", "FORBID"),
                                        ("ex07_sharded_optimizer", "FORBID")])
 def test_every_graders_ban_binds_in_this_torch(job, name):
-    module = importlib.import_module(f"gpucourse.grading.graders.{job}")
-    from gpucourse.grading import jobkit
+    module = importlib.import_module(f"gpucourse.tools.grading.graders.{job}")
+    from gpucourse.tools.grading import jobkit
 
     assert jobkit.ban_targets(getattr(module, name))  # raises BanError, naming the target, when one does not bind

@@ -15,9 +15,9 @@ import psutil
 import pytest
 
 from gpucourse import exercises, grading
-from gpucourse.exercises import ExerciseError, generate_exercises, render_exercise, resolve
-from gpucourse.grading.plugin import BATCH_ENV, BATCH_FILE, TIMING_ENV, plain_name
-from gpucourse.grading.records import REPORT_SLACK, JobRecords, job_module, raw
+from gpucourse.tools.exercises import ExerciseError, generate_exercises, render_exercise, resolve
+from gpucourse.tools.grading.plugin import BATCH_ENV, BATCH_FILE, TIMING_ENV, plain_name
+from gpucourse.tools.grading.records import REPORT_SLACK, JobRecords, job_module, raw
 from tests.conftest import BATCH_TIMEOUT_S, graded, run_cli
 
 SOLUTION = exercises.solutions_dir() / "ex01_ring_allreduce.py"

@@ -1,4 +1,4 @@
-"""gpucourse.labconfig: the server setting that keeps JupyterLab's status bar busy while a launch cell runs
+"""gpucourse.tools.labconfig: the server setting that keeps JupyterLab's status bar busy while a launch cell runs
 (the browser check is tests/test_browser.py::test_status_stays_busy_while_a_launch_runs)."""
 import json
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 import gpucourse
-from gpucourse.contract import RUNS_ENV
-from gpucourse.launcher import LaunchConfigError, LaunchError, launch
+from gpucourse.run.contract import RUNS_ENV
+from gpucourse.run.launcher import LaunchConfigError, LaunchError, launch
 
 from .conftest import JOBS, listening_ports, run_processes
 
@@ -80,7 +80,7 @@ def test_timeout_names_running_ranks_and_their_last_line(runs_dir):
 
 def test_a_worker_seen_before_its_exec_is_still_known_by_its_rank(tmp_path):
     """torchrun's worker, caught between fork and exec, has no RANK yet: the launcher must ask again later."""
-    from gpucourse.launcher import _Job
+    from gpucourse.run.launcher import _Job
 
     go = tmp_path / "go"
     shell = f"while [ ! -e {go} ]; do sleep 0.05; done; exec env RANK=5 sleep 60"
@@ -206,7 +206,7 @@ def test_runtime_script_also_runs_as_plain_python(tmp_path, runs_dir):
     ({"args": "--steps 3"}, "args must be a list of strings"),
 ])
 def test_bad_input_is_refused_before_anything_starts(runs_dir, kwargs, message):
-    if kwargs.get("backend") == "nccl" and gpucourse.hardware.gpu_count() >= 2:
+    if kwargs.get("backend") == "nccl" and gpucourse.run.hardware.gpu_count() >= 2:
         pytest.skip("this machine has GPUs for NCCL")
     with pytest.raises(LaunchConfigError, match=message.replace("(", r"\(")):
         launch(WORKER, **{"live": False, **kwargs})

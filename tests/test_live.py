@@ -1,12 +1,12 @@
-"""The live views (gpucourse/live.py), fed by hand with the batches the launcher's monitor loop would send:
+"""The live views (gpucourse/run/live.py), fed by hand with the batches the launcher's monitor loop would send:
 what a learner sees in a pane or a terminal, with no torchrun job behind it."""
 from types import SimpleNamespace
 
 import pytest
 
 from gpucourse import live
-from gpucourse.result import RootCause
-from gpucourse.tail import Line
+from gpucourse.run.result import RootCause
+from gpucourse.run.tail import Line
 
 # Kineto's lines as a profiled rank writes them (tests/jobs/worker.py --profile, torch 2.13 CPU)
 USDT = ["USDT:2026-11-24 21:13:13 4633:4633 SyncActivityProfilerHandler.cpp:52] profiler_start",
@@ -102,8 +102,8 @@ def test_panes_wrap_between_words(widget_view):
 
 def test_a_rank_s_printed_lines_come_before_the_traceback_it_died_with(tmp_path):
     """Both streams written before one poll (a rank prints, then dies): stdout is read first."""
-    from gpucourse.contract import attempt_dir, logs_dir
-    from gpucourse.tail import RunTailer
+    from gpucourse.run.contract import attempt_dir, logs_dir
+    from gpucourse.run.tail import RunTailer
 
     folder = attempt_dir(logs_dir(tmp_path), 0)
     folder.mkdir(parents=True)

@@ -6,8 +6,8 @@ Expected values are written out as arithmetic, never computed with the function 
 import pytest
 
 from gpucourse import costs
-from gpucourse.memory import (PARTS, gb, largest_model, memory_calculator, model_state_bytes, model_states,
-                              stages_table)
+from gpucourse.models.memory import PARTS, gb, largest_model, model_state_bytes, model_states, stages_table
+from gpucourse.viz.widgets import memory_calculator
 
 PSI, N = 7.5e9, 64  # the ZeRO paper's example: 7.5B parameters on 64 GPUs, mixed-precision Adam (K = 12)
 
@@ -238,7 +238,7 @@ def _mlp():
 def test_saved_bytes_of_a_small_mlp_by_hand():
     import torch
 
-    from gpucourse.memory import SavedTensorBytes
+    from gpucourse.models.memory import SavedTensorBytes
 
     model, x = _mlp(), torch.randn(4, 3)
     with SavedTensorBytes(exclude=model.parameters(), layers=model) as saved:
@@ -256,7 +256,7 @@ def test_saved_bytes_under_full_and_selective_checkpointing_by_hand():
     import torch
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-    from gpucourse.memory import SavedTensorBytes
+    from gpucourse.models.memory import SavedTensorBytes
 
     model, x = _mlp(), torch.randn(4, 3)
     with SavedTensorBytes(exclude=model.parameters()) as saved:
@@ -284,7 +284,7 @@ def test_transformer_layer_counts_match_korthikanti_terms():
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from gpucourse.memory import SavedTensorBytes, transformer_layer_activation_bytes
+    from gpucourse.models.memory import SavedTensorBytes, transformer_layer_activation_bytes
 
     from .conftest import ROOT
 
@@ -304,7 +304,7 @@ def test_transformer_layer_counts_match_korthikanti_terms():
 
 
 def test_korthikanti_formula_as_published():
-    from gpucourse.memory import transformer_layer_activation_bytes
+    from gpucourse.models.memory import transformer_layer_activation_bytes
 
     # sbh(34 + 5as/h), s = 2048, b = 1, h = 12288, a = 96 (GPT-3 175B's layer)
     assert transformer_layer_activation_bytes(2048, 1, 12288, 96) == 2048 * 12288 * 34 + 5 * 96 * 2048 * 2048

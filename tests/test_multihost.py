@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from gpucourse.contract import RUNS_ENV
-from gpucourse.result import load_run
+from gpucourse.run.contract import RUNS_ENV
+from gpucourse.run.result import load_run
 
 from .conftest import JOBS, run_processes
 
@@ -85,7 +85,7 @@ def start_host(host, node_rank, runs, release):
     env = {**os.environ, RUNS_ENV: str(runs), "OMP_NUM_THREADS": "1",  # runs: each host's own, as on two machines
            "GLOO_SOCKET_IFNAME": host["link"],  # gloo over the link, never lo
            "PET_LOCAL_ADDR": host["addr"], "PET_RDZV_CONF": f"is_host={int(node_rank == 0)}"}
-    cmd = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "gpucourse.cli", "launch", str(HOLD),
+    cmd = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "gpucourse.tools.cli", "launch", str(HOLD),
            "-n", str(NPROC), "--nnodes", "2", "--node-rank", str(node_rank), "--rdzv-endpoint", f"{SUBNET}.1:{PORT}",
            "--name", "twohost", "--timeout", "100", "-q", "--", "--release", str(release), "--max-wait", "90"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

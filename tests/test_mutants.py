@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from gpucourse import exercises, grading
-from gpucourse.grading.plugin import BATCH_ENV, BATCH_FILE, TIMING_ENV
+from gpucourse.tools.grading.plugin import BATCH_ENV, BATCH_FILE, TIMING_ENV
 from tests.conftest import BATCH_TIMEOUT_S, graded
 from tests.mutants import HERE, all_mutants
 
@@ -34,7 +34,7 @@ MIN_MUTANTS = 3
 def grader_tests() -> dict[str, frozenset]:
     """{exercise: the names of its grader's tests}, as pytest collects them (parametrized ids included)."""
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "-p", "gpucourse.grading.plugin", *map(str, exercises.grader_files().values())],
+                           "-p", "gpucourse.tools.grading.plugin", *map(str, exercises.grader_files().values())],
                           capture_output=True, text=True, cwd=exercises.course_root(), timeout=120,
                           env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     names: dict[str, set] = {}

@@ -39,8 +39,8 @@ import pytest
 import torch
 
 from gpucourse import runtime
-from gpucourse.grading import jobkit
-from gpucourse.grading.records import check, launch_jobs, raw
+from gpucourse.tools.grading import jobkit
+from gpucourse.tools.grading.records import check, launch_jobs, raw
 
 CASES = 2
 
@@ -167,7 +167,7 @@ def test_a_new_exercise_needs_only_its_own_files(tmp_path, runs_dir):
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return done.stdout
 
-    run("-m", "gpucourse.cli", "make-exercises")
+    run("-m", "gpucourse.tools.cli", "make-exercises")
     exercise = (course / "exercises" / "ex99_mean.py").read_text()
     assert 'raise NotImplementedError("all_reduce, then divide by the world size")' in exercise
     listed = run("-c", "from gpucourse import exercises; print(exercises.resolve('ex99'))")

@@ -6,7 +6,7 @@ import sys
 import nbformat
 import pytest
 
-from gpucourse.course import (CHECK_MARK, execute_notebook, expected_outputs_file, find_notebooks, smoke_parameters,
+from gpucourse.tools.course import (CHECK_MARK, execute_notebook, expected_outputs_file, find_notebooks, smoke_parameters,
                               with_expected_outputs, with_parameters)
 
 from .conftest import ROOT, run_processes

@@ -5,7 +5,7 @@ import matplotlib
 import pytest
 
 from gpucourse import costs, plots
-from gpucourse.result import load_run
+from gpucourse.run.result import load_run
 
 LABEL = "cpu · gloo · 4 ranks"
 

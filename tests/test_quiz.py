@@ -2,7 +2,7 @@
 import pytest
 
 from gpucourse import quiz
-from gpucourse.quiz import QuickCheck
+from gpucourse.viz.quiz import QuickCheck
 
 
 def make():

@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpucourse import exercises, release as release_module
-from gpucourse.contract import RUNS_ENV
+from gpucourse.tools import exercises, release as release_module
+from gpucourse.run.contract import RUNS_ENV
 
 ROOT = exercises.course_root()
 SOLUTIONS = exercises.solution_files()
@@ -61,7 +61,7 @@ def run(args, *, cwd, env=None, timeout=60) -> subprocess.CompletedProcess:
 
 
 def checkout_cli(*args, timeout=120):
-    return run([sys.executable, "-m", "gpucourse.cli", *args], cwd=ROOT, timeout=timeout)
+    return run([sys.executable, "-m", "gpucourse.tools.cli", *args], cwd=ROOT, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def release_env(release: Path, tmp_path: Path) -> dict:
 
 
 def release_cli(release: Path, tmp_path: Path, *args, timeout=120):
-    return run([sys.executable, "-m", "gpucourse.cli", *args], cwd=release, env=release_env(release, tmp_path),
+    return run([sys.executable, "-m", "gpucourse.tools.cli", *args], cwd=release, env=release_env(release, tmp_path),
                timeout=timeout)
 
 
@@ -127,18 +127,18 @@ def test_the_release_holds_no_solution(release):
         lines = give_aways(name)
         assert len(lines) >= 3, f"{name}: too few distinctive lines to check ({lines})"
         # A grader states the expected results: ex04's grader restates the formulas of ex04's docstring.
-        found = [(rel, line) for rel, text in texts.items() if rel != f"gpucourse/grading/graders/{name}.py"
+        found = [(rel, line) for rel, text in texts.items() if rel != f"gpucourse/tools/grading/graders/{name}.py"
                  for line in lines if line in text]
         assert not found, f"solution code of {name} in the release: {found[:3]}"
-    fenced = [rel for rel, text in texts.items() if exercises.BEGIN in text and rel != "gpucourse/exercises.py"]
+    fenced = [rel for rel, text in texts.items() if exercises.BEGIN in text and rel != "gpucourse/tools/exercises.py"]
     assert fenced == [], "files with solution fences"
 
 
 def test_the_release_ships_the_course_and_says_what_it_left_out(release):
-    for entry in ("gpucourse/cli.py", "gpucourse/release.py", "gpucourse/grading/plugin.py",
-                  "gpucourse/grading/jobkit.py", "README.md", "pyproject.toml", "Makefile", "environment.yml", "data/macbeth.txt",
-                  f"exercises/{FAST}.py", f"gpucourse/grading/graders/{FAST}.py", "notebooks/04_large_batch.ipynb",
-                  "scripts/04_large_batch.py", "gpucourse/grading/graders/_ex09_model.py"):  # ex09's grader trains its own model
+    for entry in ("gpucourse/tools/cli.py", "gpucourse/tools/release.py", "gpucourse/tools/grading/plugin.py",
+                  "gpucourse/tools/grading/jobkit.py", "README.md", "pyproject.toml", "Makefile", "environment.yml", "data/macbeth.txt",
+                  f"exercises/{FAST}.py", f"gpucourse/tools/grading/graders/{FAST}.py", "notebooks/04_large_batch.ipynb",
+                  "scripts/04_large_batch.py", "gpucourse/tools/grading/graders/_ex09_model.py"):  # ex09's grader trains its own model
         assert (release / entry).is_file(), entry
     assert (release / f"exercises/{FAST}.py").read_text() == (ROOT / f"exercises/{FAST}.py").read_text()
     assert not [p for p in release.rglob("*") if p.name == "__pycache__" or p.suffix == ".pyc"]
@@ -147,7 +147,7 @@ def test_the_release_ships_the_course_and_says_what_it_left_out(release):
     assert head and f"commit: {head}" in manifest
     assert f"solutions/ ({len(SOLUTIONS)} files" in manifest
     assert "tests/" in manifest.split("left out:")[1]
-    required = json.loads((release / "gpucourse/grading/graders/required_names.json").read_text())
+    required = json.loads((release / "gpucourse/tools/grading/graders/required_names.json").read_text())
     assert required == {name: exercises.required_names(name) for name in SOLUTIONS}
 
 
@@ -244,7 +244,7 @@ def test_refuses_a_folder_inside_the_checkout():
 
 # --- the release at work -----------------------------------------------------------------------------
 def test_the_release_imports_its_own_package_and_its_commands_answer(release, tmp_path):
-    done = run([sys.executable, "-c", "import gpucourse, gpucourse.grading, gpucourse.exercises as e; "
+    done = run([sys.executable, "-c", "import gpucourse, gpucourse.tools.grading, gpucourse.tools.exercises as e; "
                                       "print(gpucourse.__file__); print(e.course_root())"],
                cwd=release, env=release_env(release, tmp_path))
     assert done.returncode == 0, done.stderr

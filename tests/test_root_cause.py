@@ -9,8 +9,8 @@ import time
 import psutil
 import pytest
 
-from gpucourse.contract import RUN_DIR_ENV, root_rank
-from gpucourse.launcher import launch
+from gpucourse.run.contract import RUN_DIR_ENV, root_rank
+from gpucourse.run.launcher import launch
 
 from .conftest import JOBS
 

@@ -13,8 +13,8 @@ import time
 import psutil
 import pytest
 
-from gpucourse.agent import is_loopback_endpoint
-from gpucourse.launcher import launch
+from gpucourse.run.agent import is_loopback_endpoint
+from gpucourse.run.launcher import launch
 
 from .conftest import JOBS, run_processes
 

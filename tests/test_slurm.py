@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpucourse.slurm import SlurmConfigError, sbatch_script, write_sbatch
+from gpucourse.run.slurm import SlurmConfigError, sbatch_script, write_sbatch
 
 from .conftest import JOBS, run_cli
 
@@ -416,7 +416,7 @@ def test_real_slurm_runs_the_generated_script(local_slurm, tmp_path, runs_dir):
     assert len(node_logs) == 1, sorted(logs)
     assert "rank 0 of 2: all-reduce 3" in logs[node_logs[0]] and "rank 1 of 2: all-reduce 3" in logs[node_logs[0]]
 
-    # Both ranks logged through gpucourse.runtime into the one run dir the script named.
+    # Both ranks logged through gpucourse.run.runtime into the one run dir the script named.
     metrics_dir = runs_dir / f"slurm-test-slurm-{job_id}" / "metrics"
     # Each rank's last record from runtime.log (the runtime's own setup/teardown records aside).
     records = {int(p.stem[4:]): [r for r in map(json.loads, p.read_text().splitlines()) if "event" not in r][-1]

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from gpucourse import launch, timeline
-from gpucourse.traces import (
+from gpucourse.models.traces import (
     TraceError, analyze_run, analyze_trace, intersect, subtract, total, union,
 )
 

@@ -1,7 +1,7 @@
-"""gpucourse.units: one formatter per quantity, the text the chapters, figures and widgets show."""
+"""gpucourse.models.units: one formatter per quantity, the text the chapters, figures and widgets show."""
 import pytest
 
-from gpucourse.units import human_bytes, human_percent, human_seconds, human_si
+from gpucourse.models.units import human_bytes, human_percent, human_seconds, human_si
 
 
 def test_bytes_binary_for_buffers_and_decimal_for_model_memory():

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from gpucourse import costs
-from gpucourse.widgets import FITTED, run_explorer, scaling_simulator, simulate, turning_point
+from gpucourse.viz.widgets import FITTED, run_explorer, scaling_simulator, simulate, turning_point
 
 GB = 1e9
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gpucourse import runtime
-from gpucourse.contract import EVENT_TEARDOWN, metrics_file
+from gpucourse.run.contract import EVENT_TEARDOWN, metrics_file
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--mode", choices=["raise", "abort", "exit", "segv", "abort-at-exit"], required=True)

@@ -1,4 +1,4 @@
-"""The Slurm test's job: each rank records who it is, where it ran and an all-reduce, through gpucourse.runtime."""
+"""The Slurm test's job: each rank records who it is, where it ran and an all-reduce, through gpucourse.run.runtime."""
 import os
 import socket
 

@@ -1,0 +1,4 @@
+"""Running jobs: the launcher and its agent, the ranks' runtime, the live view, what a run leaves on disk.
+
+Imports nothing from the other layers.
+"""

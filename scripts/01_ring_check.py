@@ -7,14 +7,13 @@ world size) and compares with dist.all_reduce. If every case matches, it times b
 alternating them, and logs the median time and bus bandwidth of each.
 """
 import argparse
-import importlib.util
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from gpucourse import costs, runtime
+from gpucourse import costs, exercises, runtime
 
 parser = argparse.ArgumentParser()
 parser.add_argument("impl", help="a .py file that defines ring_all_reduce(tensor)")
@@ -24,10 +23,7 @@ parser.add_argument("--repeats", type=int, default=5)
 args = parser.parse_args()
 
 ctx = runtime.setup(seed=0)
-spec = importlib.util.spec_from_file_location("ring_impl", args.impl)
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-ring_all_reduce = module.ring_all_reduce
+ring_all_reduce = exercises.load_file(args.impl, "ring_impl").ring_all_reduce
 
 all_ok = True
 for length in args.lengths:

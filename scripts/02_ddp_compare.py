@@ -7,14 +7,13 @@ your BucketedDDP. Every step runs all three, in rotating order so that none alwa
 each. Logged per step: each one's loss and step time, and its largest parameter difference from torch's.
 """
 import argparse
-import importlib.util
 import time
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from gpucourse import runtime
+from gpucourse import exercises, runtime
 
 parser = argparse.ArgumentParser()
 parser.add_argument("impl", help="a .py file defining DDP and BucketedDDP")
@@ -25,9 +24,7 @@ args = parser.parse_args()
 
 ctx = runtime.setup(seed=0)
 device = ctx.device
-spec = importlib.util.spec_from_file_location("ddp_impl", args.impl)
-impl = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(impl)
+impl = exercises.load_file(args.impl, "ddp_impl")
 
 
 def make_net():

@@ -15,7 +15,6 @@ test loss and accuracy (the whole test set, split over the ranks and summed). Ra
 at the end of every epoch (run_dir/model-<rule>-epoch<e>.pt).
 """
 import argparse
-import importlib.util
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from gpucourse import runtime
+from gpucourse import exercises, runtime
 
 CLASSES, DIM, CLUSTERS = 10, 16, 12
 EXERCISE = Path(__file__).resolve().parents[1] / "exercises" / "ex04_lr_schedule.py"
@@ -56,13 +55,6 @@ def make_model(width: int = 128, depth: int = 4) -> nn.Sequential:
         layers += [linear, nn.ReLU()]
         fan_in = width
     return nn.Sequential(*layers, nn.Linear(fan_in, CLASSES))
-
-
-def load_schedule(path: str):
-    spec = importlib.util.spec_from_file_location("lr_schedule", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def evaluate(model, loader, device) -> tuple[float, float]:
@@ -162,7 +154,7 @@ def main() -> None:
     if ctx.device.type == "cpu":
         torch.set_num_threads(1)  # one thread per rank, on 1 rank too: the ranks share the cores
     data = make_data(args.n_train, args.n_test, seed=args.seed)  # identical on every rank: same seed
-    schedule = load_schedule(args.schedule_impl) if "warmup" in args.rules else None
+    schedule = exercises.load_file(args.schedule_impl, "lr_schedule") if "warmup" in args.rules else None
     total = len(args.rules) * args.epochs * (args.n_train // ctx.world_size // args.batch)
     done = 0
     for rule in args.rules:

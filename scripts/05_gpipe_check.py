@@ -9,26 +9,18 @@ are from the unsplit model's on the full batch (computed in this process).
 """
 import argparse
 import copy
-import importlib.util
 import time
 
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from gpucourse import runtime
+from gpucourse import exercises, runtime
 
 
 def make_model(n_layers: int, width: int) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)])
-
-
-def load(path: str):
-    spec = importlib.util.spec_from_file_location("ex05_gpipe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def mine(module, stage, ctx, x, y, m):
@@ -73,7 +65,7 @@ def main() -> None:
     ref_loss = nn.functional.mse_loss(reference(x), y)
     ref_loss.backward()  # the unsplit model on the full batch
     ref_grads = [q.grad for q in reference[rank * L:(rank + 1) * L].parameters()]
-    module = load(args.impl)
+    module = exercises.load_file(args.impl, "ex05_gpipe")
     runs = {"gpipe_step": lambda s: mine(module, s, ctx, x, y, m),
             "torch ScheduleGPipe": lambda s: torch_schedule(ScheduleGPipe, s, ctx, x, y, m),
             "torch Schedule1F1B": lambda s: torch_schedule(Schedule1F1B, s, ctx, x, y, m)}

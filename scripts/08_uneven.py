@@ -7,13 +7,12 @@ Rank r holds 7, 4, 5, ... training batches (uneven, as when a data set does not 
 ranks) and 2 evaluation batches. Logs the steps run, the evaluations and the final parameters' checksum.
 """
 import argparse
-import importlib.util
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpucourse import runtime
+from gpucourse import exercises, runtime
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--impl", required=True)
@@ -22,9 +21,7 @@ parser.add_argument("--eval-every", type=int, default=2)
 args = parser.parse_args()
 
 ctx = runtime.setup(seed=0, seed_per_rank=False)
-spec = importlib.util.spec_from_file_location("ex08", args.impl)
-impl = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(impl)
+impl = exercises.load_file(args.impl, "ex08")
 
 
 def batches(seed: int, count: int) -> list:

@@ -107,6 +107,14 @@ def resolve(exercise_id: str) -> list[str]:
 
 
 # --- a chapter's script running the learner's code ------------------------------------------------------
+def load_file(path: str | Path, name: str = "learner"):
+    """The Python file at `path` as a module (named chapter_<name>): how a chapter's script runs a learner's file."""
+    spec = importlib.util.spec_from_file_location(f"chapter_{name}", Path(path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_for_chapter(path: str | Path, name: str, probe) -> tuple[object | None, str]:
     """(module, what runs): the learner's file at `path` (exercise `name`), for a chapter's script that runs the
     exercise's pieces instead of shipping its answer. `probe(module)` calls those pieces once; while one raises
@@ -114,14 +122,7 @@ def load_for_chapter(path: str | Path, name: str, probe) -> tuple[object | None,
     (no solutions/) the module is None and the text says what to write."""
     path = Path(path).resolve()
     shown = f"{path.parent.name}/{path.name}"  # exercises/... or, in CI's smoke runs, solutions/...
-
-    def load(file: Path):
-        spec = importlib.util.spec_from_file_location(f"chapter_{name}", file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    module = load(path)
+    module = load_file(path, name)
     try:
         probe(module)
         return module, shown
@@ -129,7 +130,7 @@ def load_for_chapter(path: str | Path, name: str, probe) -> tuple[object | None,
         reference = solution_files().get(name)
         if reference is None:
             return None, f"not written yet in {shown} ({err}): write it, then rerun"
-        return load(reference), f"the reference solution, {shown} is not written yet"
+        return load_file(reference, name), f"the reference solution, {shown} is not written yet"
 
 
 # --- what a submission must provide ---------------------------------------------------------------

@@ -14,7 +14,9 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "Installing the course and its packages into $(VENV) (once). The big one is torch: about 200 MB as a"
 	@echo "CPU build, several GB where pip picks the CUDA build (Linux's default). It takes minutes; pip lists each package."
+	@echo "After 'Installing collected packages' pip unpacks them without a word for a minute or two (torch is most of it)."
 	$(BIN)/python -m pip install --progress-bar off --disable-pip-version-check -e ".[dev]"
+	@echo "Installed into $(VENV)."
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -40,8 +42,11 @@ SERVER_CONFIG := $(VENV)/etc/jupyter/jupyter_server_config.json
 $(SERVER_CONFIG): $(STAMP) gpucourse/tools/labconfig.py
 	@$(BIN)/python -m gpucourse.tools.labconfig $(VENV)
 
+# JupyterLab opens your own copy of the chapters (mywork/, never overwritten by an update; see `gpucourse workspace`),
+# so autosave never changes the course's notebooks and `git pull` never conflicts.
 lab: kernel $(LAB_OVERRIDES) $(SERVER_CONFIG)
-	$(BIN)/jupyter lab --notebook-dir=notebooks $(ROOT_FLAG) $(LAB_ARGS)
+	@$(BIN)/gpucourse workspace
+	$(BIN)/jupyter lab --notebook-dir=mywork $(ROOT_FLAG) $(LAB_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -rfEs $(PYTEST_ARGS)
@@ -60,5 +65,5 @@ bench: $(STAMP)
 exercises: $(STAMP)
 	$(BIN)/gpucourse make-exercises
 
-clean:
+clean:  # mywork/ (your chapters) is never cleaned
 	rm -rf runs executed .pytest_cache

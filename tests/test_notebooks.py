@@ -1,13 +1,16 @@
 """Every chapter notebook: executed in CI (papermill, smoke sizes), stored stripped, in sync with scripts/."""
+import os
 import re
+import shutil
 import subprocess
 import sys
 
 import nbformat
 import pytest
 
-from gpucourse.tools.course import (CHECK_MARK, execute_notebook, expected_outputs_file, find_notebooks, smoke_parameters,
-                              with_expected_outputs, with_parameters)
+from gpucourse.tools.course import (CHECK_MARK, execute_notebook, expected_outputs_file, find_notebooks,
+                                    smoke_parameters, with_expected_outputs, with_parameters)
+from gpucourse.tools.workspace import sync
 
 from .conftest import ROOT, run_processes
 
@@ -27,7 +30,13 @@ def test_there_are_notebooks():
 @pytest.mark.timeout(1200)  # a whole notebook of real launches: minutes on a busy 2-core machine; speed is not the test
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_in_smoke_mode(path, tmp_path, runs_dir):
-    result = execute_notebook(path, tmp_path / "executed", smoke=True, cell_timeout=600)
+    """Run from a learner's copy (`gpucourse workspace`, what `make lab` opens: a folder beside notebooks/)."""
+    mywork = ROOT / f"mywork-test-{os.getpid()}"
+    try:
+        sync(mywork, [path])
+        result = execute_notebook(mywork / path.name, tmp_path / "executed", smoke=True, cell_timeout=600)
+    finally:
+        shutil.rmtree(mywork, ignore_errors=True)
     assert result.status == "ok", f"{path.name} failed in cell {result.failing_cell}: {result.error}"
     # The 3-minute budget per notebook is measured by benchmarks/course_smoke.py, not asserted here.
     for run_dir in runs_dir.glob("*"):

@@ -15,7 +15,8 @@ from .argtypes import positive_int, positive_seconds
 
 EXIT_CODES = {"ok": 0, "failed": 1, "timeout": 124, "stalled": 124, "interrupted": 130}
 # Modules that add their own subcommands with add_cli(subparsers), kept out of this file.
-PLUGINS = ("gpucourse.tools.grading.runner", "gpucourse.tools.course", "gpucourse.run.slurm", "gpucourse.tools.release", "gpucourse.tools.gpu_check")
+PLUGINS = ("gpucourse.tools.grading.runner", "gpucourse.tools.course", "gpucourse.run.slurm", "gpucourse.tools.release",
+           "gpucourse.tools.gpu_check", "gpucourse.tools.workspace")
 
 
 def _launch(args) -> int:
@@ -90,14 +91,16 @@ class OneLineParser(argparse.ArgumentParser):
 
 def bad_input_errors() -> tuple[type[Exception], ...]:
     """The exceptions that mean "the request was wrong": each says what was wrong and what to do."""
+    from ..run.launcher import LaunchConfigError
+    from ..run.slurm import SlurmConfigError
     from .course import CourseError
     from .exercises import ExerciseError
     from .gpu_check import GpuCheckError
-    from ..run.launcher import LaunchConfigError
     from .release import ReleaseError
-    from ..run.slurm import SlurmConfigError
+    from .workspace import WorkspaceError
 
-    return UsageError, LaunchConfigError, ExerciseError, SlurmConfigError, CourseError, ReleaseError, GpuCheckError
+    return (UsageError, LaunchConfigError, ExerciseError, SlurmConfigError, CourseError, ReleaseError, GpuCheckError,
+            WorkspaceError)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -237,8 +237,8 @@ def graded_batch(grade_batch):
 def run_cli(*args, timeout=120, env=None, cwd=None) -> subprocess.CompletedProcess:
     """`gpucourse ARGS...` as a learner types it (python -m gpucourse.tools.cli), its output captured as UTF-8 text.
     `env` is added to this process's environment (which holds $GPUCOURSE_RUNS_DIR under the runs_dir fixture)."""
-    return subprocess.run([sys.executable, "-m", "gpucourse.tools.cli", *map(str, args)], capture_output=True, text=True,
-                          encoding="utf-8", env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "gpucourse.tools.cli", *map(str, args)], capture_output=True,
+                          text=True, encoding="utf-8", env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout)
 
 
 # --- launches that several tests read -----------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`gpucourse.launch` (this module is `gpucourse.run.launcher`): run a script as a real torchrun job, watch every rank, leave nothing behind.
+"""`gpucourse.launch` (this module: `gpucourse.run.launcher`): run a script as a real torchrun job, watch every
+rank, leave nothing behind.
 
     result = launch("scripts/00_hello.py", nproc=4)
 

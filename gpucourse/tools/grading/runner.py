@@ -141,7 +141,8 @@ def _graders_for(names: list[str]) -> list[Path]:
     graders = exercises.grader_files()
     missing = [n for n in names if n not in graders]
     if missing:
-        raise ExerciseError(f"no grader for {', '.join(missing)}: expected gpucourse/tools/grading/graders/{missing[0]}.py")
+        raise ExerciseError(f"no grader for {', '.join(missing)}: "
+                            f"expected gpucourse/tools/grading/graders/{missing[0]}.py")
     return [graders[n] for n in names]
 
 

@@ -274,7 +274,7 @@ def judged(job: JobRecords, problem):
     return lambda rec: problem(case_inputs(job, rec), rec)
 
 
-# --- the reference: gpucourse.models.costs on the job's inputs ----------------------------------------------------------
+# --- the reference: gpucourse.models.costs on the job's inputs -----------------------------------------------
 def model(inputs: dict, n: int) -> costs.DDPStep:
     compute = inputs["forward_s"] + inputs["backward_s"]
     return costs.ddp_step_time(compute, inputs["grad_bytes"], n, inputs["alpha"], inputs["beta"],

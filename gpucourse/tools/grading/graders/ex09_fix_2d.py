@@ -45,7 +45,8 @@ from torch.nn import functional as F
 
 from gpucourse.run import runtime
 from gpucourse.tools.grading import jobkit  # what every grading job shares
-from gpucourse.tools.grading.graders import _ex09_model as ex09_model  # the model the exercise gives, the grader's own copy
+# the model the exercise gives, the grader's own copy
+from gpucourse.tools.grading.graders import _ex09_model as ex09_model
 from gpucourse.tools.grading.records import RawResultsError, check, launch_jobs, raw
 
 # --- what runs in each rank ----------------------------------------------------------------------------------------

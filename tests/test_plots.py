@@ -2,6 +2,7 @@
 import json
 
 import matplotlib
+from matplotlib.figure import Figure
 import pytest
 
 from gpucourse import costs, plots
@@ -136,3 +137,49 @@ def test_interconnect_plot_hatches_modelled_bars_and_names_the_measured_one():
         bars = [p for p in ax.patches if isinstance(p, matplotlib.patches.Rectangle)]
         assert [bool(b.get_hatch()) for b in bars] == [True, True, False]
         assert f"this machine (measured: {LABEL})" in [t.get_text() for t in ax.get_yticklabels()]
+
+
+# --- charts the chapters call by name --------------------------------------------------------------------
+def test_stacked_bars_stack_each_part_on_the_last_and_mark_the_modelled():
+    fig = Figure()
+    ax = fig.subplots()
+    plots.stacked_bars(ax, ["a", "b"], {"x": [1.0, 2.0], "y": [3.0, 4.0]}, totals=[4.0, 7.0], modelled=["b"])
+    bars = ax.patches
+    assert [(b.get_y(), b.get_height()) for b in bars] == [(0, 1.0), (0, 2.0), (1.0, 3.0), (2.0, 4.0)]
+    assert [bool(b.get_hatch()) for b in bars] == [False, True, False, True]  # only b is modelled
+    assert list(ax.lines[0].get_ydata()) == [4.0, 7.0]
+    assert [t.get_text() for t in ax.legend().get_texts()] == ["formula", "x", "y"]
+
+
+def test_loss_scale_plot_marks_each_skipped_step_at_its_scale():
+    steps = [{"step": 0, "scale": 2.0**28, "overflow": True}, {"step": 1, "scale": 2.0**27, "overflow": True},
+             {"step": 2, "scale": 2.0**26, "overflow": False}]
+    ax = plots.loss_scale_plot(steps, "cpu, gloo, 1 rank").axes[0]
+    used, skipped = ax.lines
+    assert list(used.get_ydata()) == [28, 27, 26] and list(skipped.get_xdata()) == [0, 1]
+    assert list(skipped.get_ydata()) == [28, 27] and "cpu, gloo, 1 rank" in ax.get_title()
+    assert list(ax.get_yticks()) == [26, 27, 28]
+
+
+def test_recomputation_plot_is_relative_to_the_first_mode():
+    seqs, modes = [64, 128], ["none", "full"]
+    kept = {(64, "none"): 2**20, (128, "none"): 2**21, (64, "full"): 2**18, (128, "full"): 2**19}
+    times = {(128, "none"): [1.0, 1.0, 1.2], (128, "full"): [1.3, 1.4, 1.5]}
+    flops = {(128, "none"): 300.0, (128, "full"): 400.0}
+    fig = plots.recomputation_plot(seqs, modes, kept, times, flops, title="t")
+    left, right = fig.axes
+    assert list(left.lines[0].get_ydata()) == [1.0, 2.0] and left.get_xscale() == "log"
+    assert [t.get_text() for t in left.get_xticklabels()] == ["64", "128"]  # ticks at the lengths run
+    full_flops = right.lines[-1]
+    assert list(full_flops.get_xdata()) == [0.25] and list(full_flops.get_ydata()) == pytest.approx([4 / 3])
+
+
+def test_bubble_plot_ticks_at_the_ms_run_and_draws_the_formula():
+    rows = [{"p": 2, "kind": k, "m": m, "measured": 0.5 / m} for k in ("gpipe", "1f1b") for m in (1, 3, 6)]
+    (ax,) = plots.bubble_plot(rows, {2: "cpu · gloo · 2 ranks"}).axes
+    formula, gpipe, one_f_one_b = ax.lines
+    assert list(formula.get_ydata()) == [costs.pipeline_bubble_fraction(2, m) for m in (1, 3, 6)]
+    assert list(gpipe.get_ydata()) == [0.5, 0.5 / 3, 0.5 / 6]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "3", "6"]
+    assert not ax.xaxis.get_minor_ticks() or not any(t.label1.get_text() for t in ax.xaxis.get_minor_ticks())
+    assert "cpu · gloo · 2 ranks" in ax.get_title()

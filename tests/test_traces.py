@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from gpucourse import launch, timeline
+from gpucourse import launch, timeline, traces
 from gpucourse.models.traces import (
     TraceError, analyze_run, analyze_trace, intersect, subtract, total, union,
 )
@@ -334,6 +334,39 @@ def test_breakdown_bars_stack_to_the_mean_step_time(overlap):
             overlap.ranks[rank].mean("duration_us") / 1e3)
         assert bars[1].get_height() > 0  # the async all-reduce hid behind compute
     assert "2 ranks" in ax.get_title()
+
+
+def test_timelines_figure_stacks_runs_and_marks_the_named_collective(sync, overlap):
+    fig = timeline.timelines_figure({"sync": sync, "overlap": overlap}, title="two runs", mark="all_reduce")
+    render(fig)
+    top, bottom = fig.axes
+    assert top.get_title().startswith("sync — ") and "gloo, 2 ranks (black: all_reduce)" in top.get_title()
+    assert top.get_legend() is not None and bottom.get_legend() is None  # one legend for the figure
+    marked = [c for c in bottom.collections if len(c.get_facecolor()) and tuple(c.get_facecolor()[0][:3]) == (0, 0, 0)]
+    assert len(marked) == 2 and all(len(c.get_paths()) > 0 for c in marked)  # a black line on each rank's lane
+    zoomed = timeline.timelines_figure({"overlap": overlap}, zoom=True).axes[0]
+    first = overlap.ranks[0].steps[0]
+    assert zoomed.get_xlim()[1] - zoomed.get_xlim()[0] == pytest.approx(first.duration_us / 1e3)
+
+
+def test_step_spans_and_idle_read_a_pipelines_actions(tmp_path):
+    def trace(name, events):
+        path = tmp_path / name
+        path.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": n, "ts": ts, "dur": d}
+                                                    for n, ts, d in events]}))
+        return path
+    paths = {0: trace("r0.json", [("sync-start", 0, 1000), ("F0", 500, 100), ("F0", 1000, 2000), ("B0", 3000, 4000)]),
+             1: trace("r1.json", [("sync-start", 0, 1000), ("F0", 3000, 2000), ("B0", 5000, 3000)])}
+    spans = traces.step_spans(paths, r"[FB]\d+")
+    assert spans == {0: [("F0", 0.0, 2.0), ("B0", 2.0, 6.0)], 1: [("F0", 2.0, 4.0), ("B0", 4.0, 7.0)]}
+    step, share, ratio = traces.idle(spans)  # rank 0 busy 6 of 7 ms, rank 1 busy 5 of 7
+    assert (step, share, ratio) == pytest.approx((7.0, (1 / 7 + 2 / 7) / 2, (1 / 6 + 2 / 5) / 2))
+    assert traces.step_spans(paths, r"compute (F\d+)") == {0: [], 1: []}
+    with pytest.raises(TraceError, match="no .barrier. span"):
+        traces.step_spans(paths, r"F\d+", start="barrier")
+    fig = timeline.pipeline_figure([[(spans, "measured")]])
+    assert [t.get_text() for t in fig.axes[0].texts] == ["F0", "B0", "F0", "B0"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["forward", "backward"]
 
 
 def test_step_time_plot_shows_every_step(sync):

@@ -464,3 +464,30 @@ def analyze_run(result_or_run_dir, *, name: str = "rank") -> RunAnalysis:
     device = first.device or manifest.get("device") or ("cuda" if first.kind == "gpu" else "cpu")
     return RunAnalysis(kind=kinds[0] if len(kinds) == 1 else "mixed", backend=backend, world_size=world,
                        ranks=dict(sorted(ranks.items())), problems=problems, name=run_dir.name, device=device)
+
+
+# --- named spans: what a script marked with record_function, e.g. a pipeline's F3 and B3 -----------------------
+def step_spans(paths: dict, pattern: str, start: str = "sync-start") -> dict[int, list[tuple[str, float, float]]]:
+    """{rank: [(label, start ms, end ms)]}, sorted by start: the spans of each rank's trace (paths: {rank: file})
+    whose name fully matches `pattern` (the label: its first group, or the whole name), counted from the end of
+    the rank's last `start` span (a barrier all ranks leave together); spans before it are left out."""
+    regex, out = re.compile(pattern), {}
+    for rank, path in sorted(paths.items()):
+        events = [e for e in load_trace(path)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+        marks = [e["ts"] + e["dur"] for e in events if e.get("name") == start]
+        if not marks:
+            raise TraceError(f"{path}: no {start!r} span to count from (the script marks the step's start with it)")
+        t0 = max(marks)
+        spans = [((m.group(1) if regex.groups else m.group(0)), (e["ts"] - t0) / 1e3, (e["ts"] + e["dur"] - t0) / 1e3)
+                 for e in events if (m := regex.fullmatch(str(e.get("name")))) and e["ts"] >= t0]
+        out[rank] = sorted(spans, key=lambda span: span[1])
+    return out
+
+
+def idle(timeline: dict) -> tuple[float, float, float]:
+    """(step ms, idle share of the step, idle over busy time), the last two averaged over the ranks, of a
+    {rank: [(label, start ms, end ms)]} timeline. The step runs from the common start to the last span's end."""
+    step = max(end for spans in timeline.values() for _, _, end in spans)
+    busy = [sum(end - start for _, start, end in spans) for spans in timeline.values()]
+    return step, sum(1 - b / step for b in busy) / len(busy), sum((step - b) / b for b in busy) / len(busy)
+

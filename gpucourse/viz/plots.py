@@ -7,6 +7,7 @@ closed before they are returned, so a notebook shows each one once: where you di
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import textwrap
 
@@ -18,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib import colors, patches, ticker, transforms  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
 from ..models import costs  # noqa: E402
 from ..models.memory import PARTS, STAGE_NAMES, gb  # noqa: E402
@@ -233,6 +235,94 @@ def interconnect_plot(times: dict, n: int, label: str = ""):
                      f"nominal link rates); solid = measured", fontsize=9)
         ax.set_xlim(right=max(secs) * 20)
     return _finish(fig)
+
+
+def stacked_bars(ax, labels, parts: dict, *, totals=None, totals_label: str = "formula", modelled=(),
+                 colours=None) -> None:
+    """One bar per label, stacked from parts ({part: [value per label]}, in order, bottom up). totals: a black
+    tick per bar (what a formula says the bar adds up to); labels in `modelled` are hatched and faded (modelled,
+    not measured); colours: one per part (default C0, C1, ...)."""
+    bottom = [0.0] * len(labels)
+    for i, (part, values) in enumerate(parts.items()):
+        bars = ax.bar(labels, values, bottom=bottom, color=(colours or {}).get(part, f"C{i}"), label=part)
+        for bar, label in zip(bars, labels):
+            if label in modelled:
+                bar.set_hatch("//")
+                bar.set_alpha(0.5)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if totals is not None:
+        ax.plot(labels, totals, "k_", ms=30, mew=2, label=totals_label)
+
+
+def loss_scale_plot(steps: list[dict], label: str = ""):
+    """GradScaler's scale per step (log2), the overflowing steps (skipped, scale halved) marked.
+    steps: [{"step", "scale", "overflow"}] as the run logged them."""
+    fig = Figure(figsize=(8, 3), layout="constrained")
+    ax = fig.subplots()
+    log2 = [math.log2(r["scale"]) for r in steps]
+    ax.step([r["step"] for r in steps], log2, where="post", label="log2(scale) used")
+    ax.plot([r["step"] for r in steps if r["overflow"]], [v for r, v in zip(steps, log2) if r["overflow"]], "rx",
+            ms=9, mew=2, label="overflow: step skipped, scale halved")
+    ax.set(xlabel="step", ylabel="log2(loss scale)", title=f"GradScaler finding its scale: fp16 autocast ({label})")
+    ax.set_yticks(range(math.floor(min(log2)), math.ceil(max(log2)) + 1))
+    ax.legend(fontsize=8)
+    return fig
+
+
+def recomputation_plot(seqs, modes, kept: dict, times: dict, flops: dict, *, fused: dict | None = None,
+                       title: str = ""):
+    """Activation recomputation's trade. Left: bytes kept per layer for backward against the sequence length, one
+    line per mode (log-log); fused: the same without recomputation, with a fused attention kernel. Right, at the
+    longest sequence: each mode's memory kept against its step time (median, min-max) and its FLOPs, all relative
+    to modes[0] (no recomputation). kept, flops: {(seq, mode): number}; times: {(seq, mode): [seconds]}."""
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    for i, mode in enumerate(modes):
+        left.plot(seqs, [kept[s, mode] / 2**20 for s in seqs], "o-", color=f"C{i}", label=mode)
+    if fused:
+        left.plot(seqs, [fused[s] / 2**20 for s in seqs], "s:", color=f"C{len(modes)}",
+                  label=f"{modes[0]}, fused attention kernel")
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xticks(seqs, [str(s) for s in seqs], minor=False)  # a tick at each length run, no 2^k labels
+    left.set_xticks([], minor=True)
+    left.set(xlabel="sequence length s", ylabel="MiB kept per layer for backward",
+             title="activations per layer, counted")
+    left.legend(fontsize=8)
+    seq, base = seqs[-1], modes[0]
+    median = statistics.median(times[seq, base])
+    for i, mode in enumerate(modes):
+        t = [x / median for x in times[seq, mode]]
+        mem, mid = kept[seq, mode] / kept[seq, base], statistics.median(t)
+        right.errorbar(mem, mid, yerr=[[mid - min(t)], [max(t) - mid]], fmt="o", color=f"C{i}", capsize=3)
+        right.plot(mem, flops[seq, mode] / flops[seq, base], "x", color=f"C{i}", ms=10, mew=2)
+        right.annotate(mode, (mem, mid), textcoords="offset points", xytext=(8, 4), color=f"C{i}", fontsize=9)
+    right.legend(handles=[Line2D([], [], ls="", marker="o", color="k", label="step time, measured (median, min-max)"),
+                          Line2D([], [], ls="", marker="x", color="k", mew=2, label="FLOPs run, counted")], fontsize=8)
+    right.set(xlabel="activation memory kept, relative to no recomputation", ylabel="relative to no recomputation",
+              title=f"the trade at s = {seq}")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def bubble_plot(rows: list[dict], labels: dict):
+    """A pipeline's measured bubble against the number of micro-batches m, one panel per depth p: each schedule's
+    measured points beside (p-1)/(m+p-1). rows: [{"p", "kind", "m", "measured"}]; labels: {p: the run's label}."""
+    depths = sorted({r["p"] for r in rows})
+    fig = Figure(figsize=(5.2 * len(depths), 3.6), layout="constrained")
+    for ax, p in zip(fig.subplots(1, len(depths), squeeze=False)[0], depths):
+        ms = sorted({r["m"] for r in rows if r["p"] == p})
+        ax.plot(ms, [costs.pipeline_bubble_fraction(p, m) for m in ms], "k--", label="(p-1)/(m+p-1)")
+        for kind, marker in zip(dict.fromkeys(r["kind"] for r in rows), "osD^"):
+            mine = sorted((r["m"], r["measured"]) for r in rows if r["p"] == p and r["kind"] == kind)
+            ax.plot([m for m, _ in mine], [b for _, b in mine], marker, ms=7, label=f"{kind} measured", alpha=0.8)
+        ax.set(xscale="log", xlabel="micro-batches m", ylabel="bubble (idle fraction)", ylim=(0, 1),
+               title=f"p = {p} stages — {labels[p]}")
+        ax.set_xticks(ms, [str(m) for m in ms])  # a tick at each m run, and no others
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
+        ax.legend(fontsize=8)
+    return fig
 
 
 TITLE_CHARS = 90  # a title line longer than this is wrapped: at 9 pt it would not fit the 8.5-inch figure

@@ -16,6 +16,7 @@ and world size, so a saved PNG says what it shows.
 from __future__ import annotations
 
 import math
+import re
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -69,6 +70,91 @@ def timeline_plot(analysis: RunAnalysis, *, ax=None):
                        Patch(color=COLORS["overlapped"], label="comm, hidden by compute"),
                        Patch(color=COLORS["exposed"], label="comm, exposed")],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return fig
+
+
+def timelines_figure(analyses: dict, *, title: str = "", mark: str | None = None, zoom: bool = False):
+    """Several runs' timelines stacked, one panel each ({panel title: RunAnalysis}), sharing the time axis; each
+    panel names its run, device, backend and world size. mark: communication whose name contains it (e.g.
+    "all_gather") drawn as a black line on each rank's communication lane. zoom: the first profiled step of the
+    lowest rank only."""
+    world = max(a.world_size for a in analyses.values())
+    fig = Figure(figsize=(12, 0.6 + (0.9 + 0.8 * world) * len(analyses)), layout="constrained")
+    axes = fig.subplots(len(analyses), 1, sharex=not zoom, squeeze=False)[:, 0]
+    for ax, (name, a) in zip(axes, analyses.items()):
+        timeline_plot(a, ax=ax)
+        starts = [ra.steps[0].start_us for ra in a.ranks.values() if ra.steps]
+        t0 = min(starts) if starts else 0.0
+        if mark:
+            key = mark.replace("_", "").lower()  # gloo's "all_gather", NCCL's "AllGather"
+            for rank, ra in a.ranks.items():
+                if not ra.steps:
+                    continue
+                lo, hi = ra.steps[0].start_us, ra.steps[-1].start_us + ra.steps[-1].duration_us
+                marked = [iv for op, ivs in ra.comm_by_name.items() if key in op.replace("_", "").lower()
+                          for iv in clip(ivs, lo, hi)]
+                ax.broken_barh(_bars(marked, t0), (rank + 0.02, 0.07), facecolor="black")
+        if zoom and a.ranks[min(a.ranks)].steps:
+            first = a.ranks[min(a.ranks)].steps[0]
+            ax.set_xlim((first.start_us - t0) / 1e3, (first.start_us + first.duration_us - t0) / 1e3)
+            for text in ax.texts:  # the other steps' labels, outside the window
+                text.set_clip_on(True)
+        ax.set_title(f"{name} — {a.name}: {a.device}, {a.backend}, {a.world_size} ranks"
+                     + (f" (black: {mark})" if mark else ""), fontsize=9)
+        if ax is not axes[0]:
+            ax.get_legend().remove()
+        if ax is not axes[-1] and not zoom:
+            ax.set_xlabel("")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+PIPELINE_COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}  # forward, backward, its halves
+PIPELINE_KINDS = {"F": "forward", "B": "backward", "I": "backward, input grad", "W": "backward, weight grad"}
+_ACTION = re.compile(r"(\d*)([FBIW])(\d*)")  # [stage]kind[micro-batch]: "F3", "1B0", "0W7"
+
+
+def pipeline_rows(ax, timeline: dict, title: str, *, span_ms: float | None = None) -> None:
+    """A pipeline's actions, one row per rank ({rank: [(label, start ms, end ms)]}, labels like "F3" or "1B3":
+    stage, kind, micro-batch), coloured by kind; a rank's later stages lighter; a label on each bar wide enough
+    for it (span_ms: the time axis's width, default this timeline's)."""
+    span_ms = span_ms or max(end for spans in timeline.values() for _, _, end in spans)
+    for rank, spans in timeline.items():
+        local = sorted({_ACTION.fullmatch(a)[1] for a, _, _ in spans})  # this rank's stages ("" when unnamed)
+        for action, start, end in spans:
+            stage, kind, _ = _ACTION.fullmatch(action).groups()
+            shade = 1.0 - 0.45 * local.index(stage) / max(1, len(local) - 1)
+            ax.broken_barh([(start, end - start)], (rank - 0.4, 0.8), facecolor=PIPELINE_COLORS[kind], alpha=shade,
+                           edgecolor="white")
+            if end - start > span_ms / 45:
+                ax.text((start + end) / 2, rank, action, ha="center", va="center", color="white", fontsize=6)
+    ax.set_yticks(list(timeline), [f"rank {r}" for r in timeline])
+    ax.set_ylim(len(timeline) - 0.5, -0.5)
+    ax.set_xlabel("time since the step started (ms)")
+    ax.set_title(title, fontsize=8)
+
+
+def pipeline_figure(panels: list[list[tuple[dict, str]]], *, title: str = ""):
+    """A grid of pipeline timelines: panels[row][column] = (timeline, title), every panel on one time axis,
+    one legend for the kinds of action drawn."""
+    rows, cols = len(panels), len(panels[0])
+    ranks = max(len(t) for row in panels for t, _ in row)
+    fig = Figure(figsize=(11 if cols == 1 else 14, 0.8 + (0.5 * ranks + 0.8) * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False, sharex=True)
+    span_ms = max(end for row in panels for t, _ in row for spans in t.values() for _, _, end in spans)
+    kinds, staged = set(), False
+    for ax_row, row in zip(axes, panels):
+        for ax, (t, name) in zip(ax_row, row):
+            pipeline_rows(ax, t, name, span_ms=span_ms)
+            actions = [_ACTION.fullmatch(a) for spans in t.values() for a, _, _ in spans]
+            kinds |= {a[2] for a in actions}
+            staged = staged or any(a[1] for a in actions)
+    fig.legend(handles=[Patch(color=c, label=PIPELINE_KINDS[k]) for k, c in PIPELINE_COLORS.items() if k in kinds],
+               loc="outside right upper", fontsize=8, title="darker: a rank's\nfirst stage" if staged else None,
+               title_fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
     return fig
 
 

@@ -25,8 +25,13 @@ def widget_view(monkeypatch):
     return live.WidgetView("job", 2)
 
 
-def pane_texts(view) -> list[str]:
-    return [pane.outputs[0]["text"] if pane.outputs else "" for pane in view.panes]
+def pane_texts(view) -> dict:
+    """{"all" or rank: the text its pane shows}, one entry per tab."""
+    return {key: pane.outputs[0]["text"] if pane.outputs else "" for key, pane in view.panes.items()}
+
+
+def tab_titles(view) -> list[str]:
+    return [view.tabs.get_title(i) for i in range(len(view.tabs.children))]
 
 
 def test_noise_is_only_kineto_announcing_a_trace():
@@ -39,8 +44,8 @@ def test_widget_panes_leave_profiler_noise_out(widget_view):
     widget_view.update([Line(0, "stderr", USDT[0]), Line(0, "stdout", "step 1"), Line(1, "stdout", USDT[1])],
                        [], "running")
     widget_view.finish(result())
-    everyone, rank0, rank1 = pane_texts(widget_view)
-    assert everyone == "[rank 0] step 1\n" and rank0 == "step 1\n" and rank1 == ""
+    assert pane_texts(widget_view) == {"all": "[rank 0] step 1\n", 0: "step 1\n"}  # rank 1 printed only noise
+    assert tab_titles(widget_view) == ["all ranks", "rank 0"]
 
 
 def test_text_view_leaves_profiler_noise_out(capsys):
@@ -59,7 +64,8 @@ def test_torch_rank_prefix_is_not_doubled(widget_view, capsys):
                 "[rank 1] [rank1] no colon: not torch's prefix"]
     widget_view.update(lines, [], "running")
     widget_view.finish(result())
-    everyone, _, rank1 = pane_texts(widget_view)
+    panes = pane_texts(widget_view)
+    everyone, rank1 = panes["all"], panes[1]
     assert everyone.splitlines() == expected
     assert rank1.splitlines() == [ln.text for ln in lines]  # a rank's own pane shows its lines as written
 
@@ -85,8 +91,32 @@ def test_a_failed_run_that_printed_nothing_keeps_its_root_cause(widget_view):
 def test_a_run_that_printed_keeps_its_tabs(widget_view):
     widget_view.update([Line(1, "stderr", "[rank1]: ValueError: boom")], [], "running")
     widget_view.finish(result(ok=False, error=RootCause("rank 1 failed", rank=1)))
-    status, cause, bar_row, tabs, style = widget_view.box.children
-    assert "rank 1 failed" in cause.value and tabs.selected_index == 2
+    status, cause, tabs, style = widget_view.box.children  # no total reported: no bar
+    assert "rank 1 failed" in cause.value and tab_titles(widget_view)[tabs.selected_index] == "rank 1"
+
+
+def test_tabs_appear_for_the_ranks_that_print_in_rank_order(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    monkeypatch.setattr("IPython.display.display", lambda obj: None)
+    view = live.WidgetView("job", 4)
+    assert tab_titles(view) == ["all ranks"]
+    view.update([Line(3, "stdout", "three")], [], "running")
+    view.update([Line(1, "stdout", "one")], [], "running")
+    assert tab_titles(view) == ["all ranks", "rank 1", "rank 3"]
+    view.finish(result())
+    assert pane_texts(view) == {"all": "[rank 3] three\n[rank 1] one\n", 3: "three\n", 1: "one\n"}
+
+
+def test_the_bar_shows_a_count_or_is_not_shown(widget_view):
+    widget_view.update([Line(0, "stdout", "hello")], [{"rank": r, "step": 2} for r in (0, 1)], "running")
+    widget_view._flush("running")
+    assert widget_view.bar_row.layout.display == "none" and "3 steps done" in widget_view.status.value
+    widget_view.update([], [{"rank": r, "step": 3, "total": 8} for r in (0, 1)], "running")
+    widget_view._flush("running")
+    assert widget_view.bar_row.layout.display is None and widget_view.bar_label.value == "4/8 steps"
+    assert (widget_view.bar.value, widget_view.bar.max) == (4, 8)
+    widget_view.finish(result())
+    assert widget_view.bar_row in widget_view.box.children and "steps" not in widget_view.status.value
 
 
 def test_panes_wrap_between_words(widget_view):

@@ -91,7 +91,8 @@ class TextView:
 
 
 class WidgetView:
-    """A status line, a progress bar, and tabs: all ranks together, then one pane per rank."""
+    """A status line (state, elapsed time, steps done), a progress bar while the ranks report a total, and tabs:
+    all ranks together, then one pane per rank that has printed (a rank that never prints gets no empty tab)."""
 
     MAX_LINES = 200
     FLUSH_EVERY_S = 0.15
@@ -111,18 +112,16 @@ class WidgetView:
         self.bar = w.IntProgress(value=0, min=0, max=1, description="steps", bar_style="info",
                                  layout=w.Layout(width="60%"))
         self.bar_label = w.Label("")
-        layout = w.Layout(max_height="260px", overflow="auto", border="1px solid #ddd")
-        self.panes = [w.Output(layout=layout) for _ in range(world_size + 1)]
-        self.buffers = [collections.deque(maxlen=self.MAX_LINES * (2 if i == 0 else 1))
-                        for i in range(world_size + 1)]
-        self.dirty: set[int] = set()
-        self.tabs = w.Tab(children=self.panes)
-        for i, title in enumerate(["all ranks"] + [f"rank {r}" for r in range(world_size)]):
-            self.tabs.set_title(i, title)
+        self.bar_row = w.HBox([self.bar, self.bar_label], layout=w.Layout(display="none"))  # shown with a total
+        self.pane_layout = w.Layout(max_height="260px", overflow="auto", border="1px solid #ddd")
+        self.panes = {"all": w.Output(layout=self.pane_layout)}  # "all", then each rank that printed, by rank
+        self.buffers = {"all": collections.deque(maxlen=self.MAX_LINES * 2)}
+        self.dirty: set = set()
+        self.tabs = w.Tab(children=[self.panes["all"]])
+        self.tabs.set_title(0, "all ranks")
         self.header = header
         self.started = time.monotonic()
         self._last_flush = 0.0
-        self.bar_row = w.HBox([self.bar, self.bar_label])
         # A <style> travels with the view (no notebook-wide setup); hidden, it takes no room.
         self.style = w.HTML(f"<style>{self.CSS}</style>", layout=w.Layout(display="none"))
         self.box = w.VBox([self.status, self.bar_row, self.tabs, self.style])
@@ -133,43 +132,59 @@ class WidgetView:
     def _status_html(header: str, state: str, colour: str = "#1565c0") -> str:
         return f"<b style='color:{colour}'>{html.escape(state)}</b> — {html.escape(header)}"
 
+    def _tab_of(self, rank: int) -> None:
+        """Add rank's pane, in rank order among the tabs, the first time it prints."""
+        if rank in self.panes:
+            return
+        self.panes[rank] = self.w.Output(layout=self.pane_layout)
+        self.buffers[rank] = collections.deque(maxlen=self.MAX_LINES)
+        ranks = sorted(r for r in self.panes if r != "all")
+        self.tabs.children = [self.panes["all"], *(self.panes[r] for r in ranks)]
+        for i, r in enumerate(ranks, start=1):
+            self.tabs.set_title(i, f"rank {r}")
+
+    def tab_index(self, rank: int) -> int | None:
+        ranks = sorted(r for r in self.panes if r != "all")
+        return ranks.index(rank) + 1 if rank in ranks else None
+
     def update(self, lines: list[Line], records: list[dict], status: str) -> None:
         for ln in shown(lines):
             if ln.rank >= self.world_size:
                 continue
-            self.buffers[0].append(with_rank(ln))
-            self.buffers[ln.rank + 1].append(ln.text)
-            self.dirty.update((0, ln.rank + 1))
+            self._tab_of(ln.rank)
+            self.buffers["all"].append(with_rank(ln))
+            self.buffers[ln.rank].append(ln.text)
+            self.dirty.update(("all", ln.rank))
         self.progress.update(records)
         if time.monotonic() - self._last_flush >= self.FLUSH_EVERY_S:
             self._flush(status)
 
     def _flush(self, status: str) -> None:
-        for i in sorted(self.dirty):
-            text = "\n".join(self.buffers[i]) + "\n"
+        for key in sorted(self.dirty, key=str):
+            text = "\n".join(self.buffers[key]) + "\n"
             # Replace the whole (bounded) output in one message instead of appending forever.
-            self.panes[i].outputs = ({"output_type": "stream", "name": "stdout", "text": text},)
+            self.panes[key].outputs = ({"output_type": "stream", "name": "stdout", "text": text},)
         self.dirty.clear()
-        if self.progress.total:
+        if self.progress.total:  # a bar only where there is a total to fill it towards
             self.bar.max = self.progress.total
             self.bar.value = min(self.progress.done or 0, self.progress.total)
-        self.bar_label.value = self.progress.text()
+            self.bar_label.value = self.progress.text()
+            self.bar_row.layout.display = None
         elapsed = time.monotonic() - self.started
-        self.status.value = self._status_html(f"{self.header} — {elapsed:.1f} s", status)
+        steps = f", {self.progress.text()}" if self.progress.text() and not self.progress.total else ""
+        self.status.value = self._status_html(f"{self.header} — {elapsed:.1f} s{steps}", status)
         self._last_flush = time.monotonic()
 
     def finish(self, result, interrupted: bool = False) -> None:
         self._flush("interrupted" if interrupted else result.status)
-        if not self.progress.total:  # nothing to count: a full bar, coloured by the outcome
-            self.bar.max, self.bar.value = 1, 1
         self.bar.bar_style = "success" if result.ok else "danger"
         colour = "#2e7d32" if result.ok else "#c62828"
         state = "interrupted" if interrupted else {"ok": "finished"}.get(result.status, result.status)
         dur = f"{result.duration:.1f} s" if result.duration is not None else "?"
         text = f"{result.name} — {dur}, {result.world_size} rank(s), backend {result.manifest.get('backend', '?')}"
-        printed = bool(self.buffers[0])
-        if not printed and self.progress.text():
-            text += f", {self.progress.text()}"  # the bar is left out below: its count moves up here
+        printed = bool(self.buffers["all"])
+        if self.progress.text() and not (printed and self.progress.total):
+            text += f", {self.progress.text()}"  # no bar below to say it
         self.status.value = self._status_html(text, state, colour)
         error = []
         if result.error:  # the root cause first, where the eye goes: the failing rank's traceback
@@ -177,10 +192,10 @@ class WidgetView:
                                  f"{html.escape(str(result.error))}</pre>")]
         # Ranks that printed nothing leave only their status line: a chapter that launches many quiet runs
         # (03 makes eight) would otherwise fill the page with empty tabs.
-        body = [self.bar_row, self.tabs] if printed else []
+        body = ([self.bar_row] if self.progress.total else []) + [self.tabs] if printed else []
         self.box.children = (self.status, *error, *body, self.style)
-        if result.error and result.error.rank is not None:
-            self.tabs.selected_index = result.error.rank + 1
+        if result.error and result.error.rank is not None and self.tab_index(result.error.rank) is not None:
+            self.tabs.selected_index = self.tab_index(result.error.rank)
 
 
 class SilentView:

@@ -282,8 +282,9 @@ def saved_memory_plot(seqs, memory: dict, label: str = ""):
     ax.xaxis.set_major_locator(ticker.FixedLocator(list(seqs)))
     ax.xaxis.set_major_formatter(ticker.FixedFormatter([str(s) for s in seqs]))
     ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax.set_yscale("log", base=2)  # bytes: ticks at powers of two (64 KiB, 1 MiB), never 3×10⁴
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: human_bytes(v)))
-    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.yaxis.set_minor_locator(ticker.NullLocator())
     ax.set(xlabel="sequence length S (tokens)", ylabel="saved for backward")
     ax.set_title(f"one causal attention, bytes saved for backward — {label} (measured)", fontsize=9)
     ax.legend(fontsize=8)
@@ -297,14 +298,15 @@ def causal_balance_plot(balance: dict, label: str = ""):
         raise ValueError("causal_balance_plot needs {layout: [{'pairs', 'seconds'} per rank]}")
     n = len(next(iter(balance.values())))
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-    titles = {"pairs": "(query, key) pairs per rank (counted: exact)",
-              "seconds": "seconds per rank (measured: fastest of 5)"}
+    panels = {"pairs": ("(query, key) pairs per rank (counted: exact)", "pairs", 1),
+              "seconds": ("time per rank (measured: fastest of 5)", "µs", 1e6)}
     width = 0.8 / len(balance)
-    for ax, (key, title) in zip(axes, titles.items()):
+    for ax, (key, (title, unit, scale)) in zip(axes, panels.items()):
         for j, (layout, recs) in enumerate(balance.items()):
-            ax.bar([r + width * j for r in range(n)], [rec[key] for rec in recs], width, label=layout, color=f"C{j}")
+            ax.bar([r + width * j for r in range(n)], [rec[key] * scale for rec in recs], width, label=layout,
+                   color=f"C{j}")
         ax.set_xticks([r + width * (len(balance) - 1) / 2 for r in range(n)], [f"rank {r}" for r in range(n)])
-        ax.set(ylabel=key, title=title)
+        ax.set(ylabel=unit, title=title)
         ax.legend(fontsize=8)
     fig.suptitle(f"causal attention's work per rank, by layout — {label}", fontsize=10)
     return _finish(fig)

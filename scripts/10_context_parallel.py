@@ -49,6 +49,7 @@ from gpucourse import runtime
 TOLERANCE = 1e-4  # float32 against float64: attention over up to a few thousand keys rounds to ~1e-6
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "ex10_ring_attention.py"
 SENT = {"bytes": 0}  # bytes this rank addressed to other ranks, counted at each call
+PARTS = ("ways", "gqa", "usp", "training", "ring_step", "balance", "mistake", "torch_cp", "profile")
 
 
 # --- counting what is sent ------------------------------------------------------------------------------------
@@ -233,14 +234,9 @@ def usp_ring_order(ulysses, shard_tokens):
 def usp_groups(n, ulysses):
     """(this rank's Ulysses group, its ring group): every rank creates every group, in the same order."""
     rank, ring = dist.get_rank(), n // ulysses
-    mine = {}
-    for j in range(ring):
-        group = dist.new_group([j * ulysses + i for i in range(ulysses)])
-        mine.update({"ulysses": group} if rank // ulysses == j else {})
-    for i in range(ulysses):
-        group = dist.new_group([j * ulysses + i for j in range(ring)])
-        mine.update({"ring": group} if rank % ulysses == i else {})
-    return mine["ulysses"], mine["ring"]
+    ulysses_groups = [dist.new_group([j * ulysses + i for i in range(ulysses)]) for j in range(ring)]
+    ring_groups = [dist.new_group([j * ulysses + i for j in range(ring)]) for i in range(ulysses)]
+    return ulysses_groups[rank // ulysses], ring_groups[rank % ulysses]
 
 
 def usp_attention(q, k, v, causal, impl, ulysses, groups):
@@ -249,7 +245,7 @@ def usp_attention(q, k, v, causal, impl, ulysses, groups):
     put both chunks back in order for the ring, and the result back in the all-to-all's order."""
     u_group, r_group = groups
     qh, kh, vh = (SequenceToHeads.apply(t, u_group) for t in (q, k, v))
-    order = usp_ring_order(ulysses, q.shape[2])
+    order = usp_ring_order(ulysses, q.shape[2]).to(q.device)
     out = impl.ring_attention(*(t[:, :, order] for t in (qh, kh, vh)), causal=causal, group=r_group)
     return HeadsToSequence.apply(out[:, :, torch.argsort(order)], u_group)
 
@@ -295,15 +291,15 @@ def train_under_cp(args, positions, steps=3, lr=0.5):
     """One process on the whole sequence (the reference), then the same model under CP: labels taken at the same
     zig-zag positions as the inputs, and `steps` SGD steps with and without all-reducing the weight gradients over
     the CP group. float64, so equal means equal to ~1e-15."""
-    n, rank = dist.get_world_size(), dist.get_rank()
+    n, rank, device = dist.get_world_size(), dist.get_rank(), runtime.context().device
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=gen)
+    tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=gen).to(device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]  # shifted on the WHOLE sequence, then sharded alike
     mine = positions[rank]
     total = labels.numel()
 
     torch.manual_seed(2)
-    reference = TinyLM(args.vocab, args.heads, args.head_dim).double()
+    reference = TinyLM(args.vocab, args.heads, args.head_dim).to(device, torch.float64)
     start = {k: t.clone() for k, t in reference.state_dict().items()}
     whole = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     ref_losses = []
@@ -315,10 +311,10 @@ def train_under_cp(args, positions, steps=3, lr=0.5):
 
     split = lambda q, k, v: all_gather_attention(q, k, v, positions, True)  # noqa: E731
     for sync in (True, False):
-        model = TinyLM(args.vocab, args.heads, args.head_dim).double()
+        model = TinyLM(args.vocab, args.heads, args.head_dim).to(device, torch.float64)
         model.load_state_dict(start)
         losses, spread = [], []
-        for step in range(steps):
+        for _ in range(steps):
             loss = lm_loss(model, inputs[:, mine], labels[:, mine], split, total)
             loss.backward()
             if sync:  # each rank's weight gradient covers its tokens only: sum them over the CP group
@@ -340,7 +336,7 @@ def train_under_cp(args, positions, steps=3, lr=0.5):
             assert max(spread) == 0.0 and (flat_params(model) - flat_params(reference)).abs().max() <= 1e-10
 
     # labels shifted AFTER sharding: each shard's next token, not the sequence's (rank 0's first model state)
-    model = TinyLM(args.vocab, args.heads, args.head_dim).double()
+    model = TinyLM(args.vocab, args.heads, args.head_dim).to(device, torch.float64)
     model.load_state_dict(start)
     with torch.no_grad():
         wrong = lm_loss(model, inputs[:, mine], inputs[:, mine].roll(-1, dims=1), split, total)
@@ -371,6 +367,7 @@ def ring_step_timing(q, k, v, tries=5):
         for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (rank + 1) % n),
                                             dist.P2POp(dist.irecv, received, (rank - 1) % n)]):
             work.wait()
+        sync()
         transfer.append(time.perf_counter() - start)
     b, h, c, d = q.shape
     runtime.log(case="ring_step", block_tokens=c, heads=h, kv_heads=k.shape[1], head_dim=d, batch=b,
@@ -485,10 +482,11 @@ def main():
     parser.add_argument("--kv-heads", type=int, default=None, help="K/V heads of the grouped-query case (heads/2)")
     parser.add_argument("--vocab", type=int, default=32, help="vocabulary of the small model trained under CP")
     parser.add_argument("--profile-steps", type=int, default=3)
-    parser.add_argument("--only", default="", help="comma-separated parts to run (default: all): "
-                        "ways,gqa,usp,training,ring_step,balance,mistake,torch_cp,profile")
+    parser.add_argument("--only", default="", help=f"comma-separated parts to run (default: all): {','.join(PARTS)}")
     args = parser.parse_args()
     parts = set(args.only.split(",")) if args.only else None
+    if parts and parts - set(PARTS):
+        parser.error(f"--only: unknown part(s) {', '.join(sorted(parts - set(PARTS)))}; valid: {', '.join(PARTS)}")
     runs = lambda part: parts is None or part in parts  # noqa: E731
     kv_heads = args.kv_heads or max(1, args.heads // 2)
     if args.heads % kv_heads:

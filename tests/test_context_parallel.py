@@ -16,7 +16,8 @@ HEADS, KV_HEADS, SEQ, HEAD_DIM = 4, 1, 16, 4
 
 def frontier(parts):
     return launch(SCRIPT, nproc=2, name="test-10-frontier", timeout=180, live=False, env={"OMP_NUM_THREADS": "1"},
-                  args=["--seq", SEQ, "--heads", HEADS, "--kv-heads", KV_HEADS, "--head-dim", HEAD_DIM, "--only", parts])
+                  args=["--seq", SEQ, "--heads", HEADS, "--kv-heads", KV_HEADS, "--head-dim", HEAD_DIM,
+                        "--only", parts])
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,15 @@ the sequence in the zig-zag layout (the impl's shard_sequence: chunks r and 2N-1
 Each case ASSERTS that its output and q/k/v gradients equal the reference's shard (float32 tolerance), and logs
 the bytes this rank addressed to other ranks (forward, backward), what the forward left for backward (bytes of
 tensors saved by autograd), and the times. Also:
+  all_gather_gqa  all-gather K/V with grouped-query attention (--kv-heads < --heads), causal, as Llama 3 trains
+              long contexts: the bytes shrink with the K/V heads (asserted like the others)
+  usp_UxR     Ulysses inside groups of U ranks, ring attention (--impl, on a subgroup) across the R = N/U groups
+              (USP), for every U dividing N and the heads: U x 1 is Ulysses, 1 x N the ring (asserted like the others)
+  cp_training a small model (embedding, attention, head) trained a few SGD steps in float64 under CP, labels taken
+              at the inputs' zig-zag positions: with the weight gradients all-reduced over the CP group it ASSERTS
+              the losses and parameters of one process on the whole sequence; without, it logs how far the
+              replicas drift apart. labels: the sharded loss against the whole one, and labels shifted after sharding
+  ring_step   one ring step's block attention and one K/V hop to the next rank, timed (the overlap condition)
   balance     causal attention of this rank's queries against the whole sequence, chunk block by chunk block,
               skipping blocks wholly in the future: (query, key) pairs and time per rank, contiguous vs zig-zag
   mistake     ring attention with the causal mask of each block's LOCAL positions (is_causal on every block)
@@ -24,6 +33,7 @@ tensors saved by autograd), and the times. Also:
               (_cp_options.rotate_method: all-gather unless set_rotate_method("alltoall")), and which chunks
               of the sequence its default (head-tail) load balancer gives this rank
   profile     a few ring-attention steps (forward + backward) under the profiler: traces/rank<r>.json
+--only ways,gqa,... runs only the parts named (tests use it).
 """
 import argparse
 import importlib.util
@@ -39,6 +49,7 @@ from gpucourse import runtime
 TOLERANCE = 1e-4  # float32 against float64: attention over up to a few thousand keys rounds to ~1e-6
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "ex10_ring_attention.py"
 SENT = {"bytes": 0}  # bytes this rank addressed to other ranks, counted at each call
+PARTS = ("ways", "gqa", "usp", "training", "ring_step", "balance", "mistake", "torch_cp", "profile")
 
 
 # --- counting what is sent ------------------------------------------------------------------------------------
@@ -95,9 +106,10 @@ class GatherSequence(torch.autograd.Function):
 
 
 def attend(q, k, v, q_pos, k_pos, causal):
-    """Plain attention of q against k/v with positions given: the causal mask is GLOBAL (q_pos >= k_pos)."""
+    """Plain attention of q against k/v with positions given: the causal mask is GLOBAL (q_pos >= k_pos). K/V may
+    have fewer heads than q (grouped-query attention: each K/V head serves heads/kv_heads query heads)."""
     mask = (q_pos[:, None] >= k_pos[None, :]) if causal else None
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def all_gather_attention(q, k, v, positions, causal):
@@ -109,10 +121,10 @@ def all_gather_attention(q, k, v, positions, causal):
 
 
 # --- way 3: all-to-all over heads (Ulysses) -----------------------------------------------------------------------
-def all_to_all(x: torch.Tensor) -> torch.Tensor:
-    """x (n, ...): part j goes to rank j; returns (n, ...) with part j from rank j."""
+def all_to_all(x: torch.Tensor, group=None) -> torch.Tensor:
+    """x (n, ...): part j goes to rank j of the group; returns (n, ...) with part j from rank j."""
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous())
+    dist.all_to_all_single(out, x.contiguous(), group=group)
     SENT["bytes"] += (x.shape[0] - 1) * x[0].numel() * x.element_size()  # all parts but our own
     return out
 
@@ -121,34 +133,36 @@ class SequenceToHeads(torch.autograd.Function):
     """(B, H, S/n, D) sequence-split → (B, H/n, S, D) head-split (the sequence in rank order). Backward: the inverse."""
 
     @staticmethod
-    def forward(ctx, x):
-        return seq_to_heads(x)
+    def forward(ctx, x, group=None):
+        ctx.group = group
+        return seq_to_heads(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_seq(grad)
+        return heads_to_seq(grad, ctx.group), None
 
 
 class HeadsToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return heads_to_seq(x)
+    def forward(ctx, x, group=None):
+        ctx.group = group
+        return heads_to_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return seq_to_heads(grad)
+        return seq_to_heads(grad, ctx.group), None
 
 
-def seq_to_heads(x):
-    n = dist.get_world_size()
+def seq_to_heads(x, group=None):
+    n = dist.get_world_size(group)
     b, h, s, d = x.shape
-    parts = all_to_all(x.reshape(b, n, h // n, s, d).transpose(0, 1))  # part j: head group j
+    parts = all_to_all(x.reshape(b, n, h // n, s, d).transpose(0, 1), group)  # part j: head group j
     return torch.cat(list(parts), dim=2)  # rank j's sequence shard j, in rank order
 
 
-def heads_to_seq(y):
-    n = dist.get_world_size()
-    parts = all_to_all(torch.stack(y.chunk(n, dim=2)))  # part j: rank j's sequence shard
+def heads_to_seq(y, group=None):
+    n = dist.get_world_size(group)
+    parts = all_to_all(torch.stack(y.chunk(n, dim=2)), group)  # part j: rank j's sequence shard
     return torch.cat(list(parts), dim=1)  # head groups back in order
 
 
@@ -198,6 +212,169 @@ def ring_autograd_attention(q, k, v, positions, causal):
     return num / den
 
 
+# --- Ulysses inside groups, the ring across them (USP) ---------------------------------------------------------
+def usp_layout(n, ulysses, seq):
+    """{rank: positions it holds} for `ulysses` x `ring` ranks, rank = ring index · ulysses + Ulysses index. The
+    ring's zig-zag layout over `ring` members (chunks j and 2·ring-1-j of 2·ring), each chunk cut into `ulysses`
+    pieces over the Ulysses group: after the group's all-to-all every member holds chunks j and 2·ring-1-j whole."""
+    ring = n // ulysses
+    chunks = torch.arange(seq).chunk(2 * ring)
+    return {j * ulysses + i: torch.cat([chunks[c].chunk(ulysses)[i] for c in (j, 2 * ring - 1 - j)])
+            for j in range(ring) for i in range(ulysses)}
+
+
+def usp_ring_order(ulysses, shard_tokens):
+    """Indices that put the Ulysses all-to-all's sequence (rank i's two pieces, for i in group order) into the
+    ring's order (the first chunk's pieces, then the second's)."""
+    piece = shard_tokens // 2  # each rank holds one piece of each of its ring member's two chunks
+    return torch.cat([torch.arange(i * 2 * piece + half * piece, i * 2 * piece + (half + 1) * piece)
+                      for half in (0, 1) for i in range(ulysses)])
+
+
+def usp_groups(n, ulysses):
+    """(this rank's Ulysses group, its ring group): every rank creates every group, in the same order."""
+    rank, ring = dist.get_rank(), n // ulysses
+    ulysses_groups = [dist.new_group([j * ulysses + i for i in range(ulysses)]) for j in range(ring)]
+    ring_groups = [dist.new_group([j * ulysses + i for j in range(ring)]) for i in range(ulysses)]
+    return ulysses_groups[rank // ulysses], ring_groups[rank % ulysses]
+
+
+def usp_attention(q, k, v, causal, impl, ulysses, groups):
+    """All-to-all to heads/ulysses heads inside the Ulysses group, then ring attention (impl) over the ring group
+    on that block, then back. The all-to-all leaves the pieces interleaved (piece i of both chunks, for every i):
+    put both chunks back in order for the ring, and the result back in the all-to-all's order."""
+    u_group, r_group = groups
+    qh, kh, vh = (SequenceToHeads.apply(t, u_group) for t in (q, k, v))
+    order = usp_ring_order(ulysses, q.shape[2]).to(q.device)
+    out = impl.ring_attention(*(t[:, :, order] for t in (qh, kh, vh)), causal=causal, group=r_group)
+    return HeadsToSequence.apply(out[:, :, torch.argsort(order)], u_group)
+
+
+# --- a small model trained under context parallelism: labels, loss and the weight gradients ----------------------
+class TinyLM(torch.nn.Module):
+    """Embedding, one causal self-attention and an output head. Every rank holds all of it; only attention needs
+    other ranks' tokens (all-gather K/V with the tokens' global positions)."""
+
+    def __init__(self, vocab, heads, head_dim):
+        super().__init__()
+        width = heads * head_dim
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens, attention):
+        b, s = tokens.shape
+        x = self.embed(tokens)
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return self.head(x + attention(q, k, v).transpose(1, 2).reshape(b, s, -1))
+
+
+def lm_loss(model, inputs, labels, attention, total_tokens):
+    """Cross-entropy summed over these tokens / all the sequence's tokens: the ranks' losses add up to the mean."""
+    logits = model(inputs, attention)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / total_tokens
+
+
+def sgd_step(model, lr):
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+            p.grad = None
+
+
+def flat_params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def train_under_cp(args, positions, steps=3, lr=0.5):
+    """One process on the whole sequence (the reference), then the same model under CP: labels taken at the same
+    zig-zag positions as the inputs, and `steps` SGD steps with and without all-reducing the weight gradients over
+    the CP group. float64, so equal means equal to ~1e-15."""
+    n, rank, device = dist.get_world_size(), dist.get_rank(), runtime.context().device
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=gen).to(device)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]  # shifted on the WHOLE sequence, then sharded alike
+    mine = positions[rank]
+    total = labels.numel()
+
+    torch.manual_seed(2)
+    reference = TinyLM(args.vocab, args.heads, args.head_dim).to(device, torch.float64)
+    start = {k: t.clone() for k, t in reference.state_dict().items()}
+    whole = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    ref_losses = []
+    for _ in range(steps):
+        loss = lm_loss(reference, inputs, labels, whole, total)
+        loss.backward()
+        sgd_step(reference, lr)
+        ref_losses.append(loss.item())
+
+    split = lambda q, k, v: all_gather_attention(q, k, v, positions, True)  # noqa: E731
+    for sync in (True, False):
+        model = TinyLM(args.vocab, args.heads, args.head_dim).to(device, torch.float64)
+        model.load_state_dict(start)
+        losses, spread = [], []
+        for _ in range(steps):
+            loss = lm_loss(model, inputs[:, mine], labels[:, mine], split, total)
+            loss.backward()
+            if sync:  # each rank's weight gradient covers its tokens only: sum them over the CP group
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+            sgd_step(model, lr)
+            summed = loss.detach().clone()
+            dist.all_reduce(summed)
+            losses.append(summed.item())
+            everyone = [torch.empty_like(flat_params(model)) for _ in range(n)]
+            dist.all_gather(everyone, flat_params(model))
+            spread.append(max((p - everyone[0]).abs().max().item() for p in everyone))
+        runtime.log(case="cp_training", sync=sync, steps=steps, lr=lr, losses=losses, ref_losses=ref_losses,
+                    rank_spread=spread,
+                    vs_reference=(flat_params(model) - flat_params(reference)).abs().max().item())
+        if sync:
+            assert abs(losses[0] - ref_losses[0]) <= 1e-12, (losses[0], ref_losses[0])  # the same loss, sharded
+            assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-10, (losses, ref_losses)
+            assert max(spread) == 0.0 and (flat_params(model) - flat_params(reference)).abs().max() <= 1e-10
+
+    # labels shifted AFTER sharding: each shard's next token, not the sequence's (rank 0's first model state)
+    model = TinyLM(args.vocab, args.heads, args.head_dim).to(device, torch.float64)
+    model.load_state_dict(start)
+    with torch.no_grad():
+        wrong = lm_loss(model, inputs[:, mine], inputs[:, mine].roll(-1, dims=1), split, total)
+        right = lm_loss(model, inputs[:, mine], labels[:, mine], split, total)
+    wrong_rows = (inputs[:, mine].roll(-1, dims=1) != labels[:, mine]).sum().item()
+    for t in (wrong, right):
+        dist.all_reduce(t)
+    runtime.log(case="labels", positions=mine.tolist(), label_positions=(mine + 1).tolist(),
+                loss=right.item(), ref_loss=ref_losses[0], loss_labels_shifted_after_sharding=wrong.item(),
+                wrong_labels_here=wrong_rows)
+
+
+# --- the ring's overlap condition: one block's compute against passing its K/V on ---------------------------------
+def ring_step_timing(q, k, v, tries=5):
+    """Seconds of one ring step's work on this rank's block (attention of its queries to a K/V block of the same
+    size, no mask) and of one hop of its K/V block to the next rank (both the fastest of `tries`)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    compute, transfer = [], []
+    for _ in range(tries + 1):  # the first is a warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        F.scaled_dot_product_attention(q, k, v)
+        sync()
+        compute.append(time.perf_counter() - start)
+        kv, received = torch.stack([k, v]).contiguous(), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+        dist.barrier()
+        start = time.perf_counter()
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (rank + 1) % n),
+                                            dist.P2POp(dist.irecv, received, (rank - 1) % n)]):
+            work.wait()
+        sync()
+        transfer.append(time.perf_counter() - start)
+    b, h, c, d = q.shape
+    runtime.log(case="ring_step", block_tokens=c, heads=h, kv_heads=k.shape[1], head_dim=d, batch=b,
+                bytes_per_value=k.element_size(), flops=4 * b * h * c * c * d, kv_bytes=kv.numel() * kv.element_size(),
+                compute_s=min(compute[1:]), transfer_s=min(transfer[1:]))
+
+
 # --- running one way and checking it ----------------------------------------------------------------------------
 def saved_bytes(run):
     """run() under saved_tensors_hooks: (its result, bytes of the tensors autograd saved for backward, each
@@ -239,7 +416,8 @@ def check_case(name, fn, inputs, want, causal, checked=("out", "dq", "dk", "dv")
     bad = {label: e for label, e in errors.items() if label in checked and not e <= TOLERANCE}
     assert not bad, f"{name} (causal={causal}) differs from SDPA on the whole sequence: {bad}"
     runtime.log(case=name, causal=causal, errors=errors, forward_bytes=forward_bytes, backward_bytes=backward_bytes,
-                saved_bytes=saved, shard_bytes=q.numel() * q.element_size(), forward_s=forward_s,
+                saved_bytes=saved, shard_bytes=q.numel() * q.element_size(),
+                kv_shard_bytes=k.numel() * k.element_size(), forward_s=forward_s,
                 backward_s=backward_s)
 
 
@@ -301,8 +479,19 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--kv-heads", type=int, default=None, help="K/V heads of the grouped-query case (heads/2)")
+    parser.add_argument("--vocab", type=int, default=32, help="vocabulary of the small model trained under CP")
     parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--only", default="", help=f"comma-separated parts to run (default: all): {','.join(PARTS)}")
     args = parser.parse_args()
+    parts = set(args.only.split(",")) if args.only else None
+    if parts and parts - set(PARTS):
+        parser.error(f"--only: unknown part(s) {', '.join(sorted(parts - set(PARTS)))}; valid: {', '.join(PARTS)}")
+    runs = lambda part: parts is None or part in parts  # noqa: E731
+    kv_heads = args.kv_heads or max(1, args.heads // 2)
+    if args.heads % kv_heads:
+        raise ValueError(f"--kv-heads {kv_heads} does not divide --heads {args.heads}: each K/V head serves "
+                         f"heads/kv_heads query heads")
     ctx = runtime.setup(seed=0, cuda_with_gloo=False)  # gloo's send/recv take CPU tensors only
     n, rank = ctx.world_size, ctx.rank
     if args.seq % (2 * n):
@@ -325,7 +514,7 @@ def main():
         ways["ulysses"] = lambda q, k, v, c: ulysses_attention(q, k, v, positions, c)
     else:
         runtime.log(case="ulysses-skipped", why=f"{args.heads} heads are not divisible by {n} ranks")
-    for causal in (False, True):
+    for causal in (False, True) if runs("ways") else ():
         leaves = [t.clone().requires_grad_() for t in full[:3]]
         out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
         out.backward(full[3])
@@ -335,9 +524,38 @@ def main():
         check_case("ring_autograd", lambda q, k, v, c: ring_autograd_attention(q, k, v, positions, c), mine, want,
                    causal, checked=("out", "dq"))
 
+    # all-gather K/V as Llama 3 trains long contexts, with grouped-query attention: K/V have kv_heads < heads
+    if runs("gqa"):
+        k, v = (t[:, :kv_heads] for t in full[1:3])
+        leaves = [t.clone().requires_grad_() for t in (full[0], k, v)]
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        out.backward(full[3])
+        want = [impl.shard_sequence(t.detach(), rank, n) for t in (out, *(t.grad for t in leaves))]
+        inputs = [impl.shard_sequence(t, rank, n).float() for t in (full[0], k, v, full[3])]
+        check_case("all_gather_gqa", ways["all_gather"], inputs, want, True)
+
+    # Ulysses inside groups of u ranks, the ring across n/u groups (USP), for every u that divides n and the heads
+    for ulysses in [u for u in range(1, n + 1) if n % u == 0 and args.heads % u == 0] if runs("usp") else ():
+        layout, groups = usp_layout(n, ulysses, args.seq), usp_groups(n, ulysses)
+        for causal in (False, True):
+            leaves = [t.clone().requires_grad_() for t in full[:3]]
+            out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+            out.backward(full[3])
+            want = [t.detach()[:, :, layout[rank]] for t in (out, *(t.grad for t in leaves))]
+            inputs = [t[:, :, layout[rank]].float() for t in full]
+            check_case(f"usp_{ulysses}x{n // ulysses}", lambda q, k, v, c: usp_attention(
+                q, k, v, c, impl, ulysses, groups), inputs, want, causal)
+
+    if runs("training"):
+        train_under_cp(args, positions)
+    if runs("ring_step") and n > 1:
+        ring_step_timing(*mine[:3])
+
     # causal balance: the same work done per rank by each layout
     qf, kf, vf = (t.float() for t in full[:3])
     for layout, chunks in (("contiguous", (2 * rank, 2 * rank + 1)), ("zigzag", (rank, 2 * n - 1 - rank))):
+        if not runs("balance"):
+            break
         causal_work(qf, kf, vf, chunks, n)  # warm-up
         timed = []
         for _ in range(5):  # every rank starts together; the fastest of 5 is the least disturbed by the others
@@ -348,7 +566,7 @@ def main():
 
     # the common mistake: the causal triangle of each block's local positions (is_causal on every block)
     right = impl.block_kind if hasattr(impl, "block_kind") else None
-    if right is not None:
+    if right is not None and runs("mistake"):
         impl.block_kind = lambda q_chunk, k_chunk, causal: "diagonal" if causal else "full"
         wrong = impl.ring_attention(*(t.clone() for t in mine[:3]), causal=True)
         impl.block_kind = right
@@ -356,13 +574,14 @@ def main():
         want_out = impl.shard_sequence(F.scaled_dot_product_attention(*leaves, is_causal=True), rank, n)
         runtime.log(case="mistake", error=(wrong.double() - want_out).abs().max().item())
 
-    runtime.log(case="torch_cp", **torch_context_parallel(
-        *full[:3], F.scaled_dot_product_attention(*full[:3], is_causal=True)))
+    if runs("torch_cp"):
+        runtime.log(case="torch_cp", **torch_context_parallel(
+            *full[:3], F.scaled_dot_product_attention(*full[:3], is_causal=True)))
 
     # a few ring-attention steps under the profiler: the K/V exchange beside the block computations
     leaves = [t.clone().requires_grad_() for t in mine[:3]]
     with runtime.profile(wait=1, warmup=1, active=args.profile_steps, name="ring") as prof:
-        for _ in range(2 + args.profile_steps):
+        for _ in range(2 + args.profile_steps) if runs("profile") else ():
             impl.ring_attention(*leaves, causal=True).backward(mine[3])
             prof.step()
     runtime.teardown()

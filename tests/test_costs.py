@@ -611,6 +611,77 @@ def test_context_parallel_bytes_per_rank():
         costs.context_parallel_bytes("ring", shard, 0)
 
 
+def test_attention_shard_bytes_is_batch_heads_tokens_per_rank_head_dim_bytes():
+    assert costs.attention_shard_bytes(2, 1024, 8, 64, 4, 2) == 2 * 8 * 256 * 64 * 2
+    with pytest.raises(ValueError, match="seq=10 is not divisible by n=4"):
+        costs.attention_shard_bytes(1, 10, 8, 64, 4)
+    with pytest.raises(ValueError, match="heads must be a whole number >= 1"):
+        costs.attention_shard_bytes(1, 16, 0, 64, 4)
+
+
+@pytest.mark.parametrize("method", ["all_gather", "ring", "ulysses"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_grouped_query_kv_shrinks_only_what_k_and_v_carry(method, backward):
+    heads, kv_heads, n = 8, 2, 4
+    q = costs.attention_shard_bytes(1, 1024, heads, 64, n)
+    kv = costs.attention_shard_bytes(1, 1024, kv_heads, 64, n)
+    mha = costs.context_parallel_bytes(method, q, n, backward=backward)
+    gqa = costs.context_parallel_bytes(method, q, n, backward=backward, kv_shard_bytes=kv)
+    assert costs.context_parallel_bytes(method, q, n, backward=backward, kv_shard_bytes=q) == mha
+    if method == "ulysses":  # q and the output keep their size, k and v shrink: (2 + 2/4) / 4 of MHA's bytes
+        assert gqa == pytest.approx(mha * (2 + 2 * kv_heads / heads) / 4)
+    else:  # only K/V travel
+        assert gqa == mha * kv_heads / heads
+    with pytest.raises(ValueError, match="kv_shard_bytes"):
+        costs.context_parallel_bytes(method, q, n, kv_shard_bytes=-1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("backward", [False, True])
+def test_hybrid_bytes_reduce_to_the_pure_ways(n, backward):
+    shard = 3000
+    assert costs.hybrid_context_parallel_bytes(shard, n, 1, backward=backward) == \
+        costs.context_parallel_bytes("ulysses", shard, n, backward=backward)
+    assert costs.hybrid_context_parallel_bytes(shard, 1, n, backward=backward) == \
+        costs.context_parallel_bytes("ring", shard, n, backward=backward)
+
+
+def test_hybrid_bytes_of_a_2_by_4_split_by_hand():
+    shard, kv = 1000, 2000  # forward: 4 tensors × 1/2 of a shard each (Ulysses, 2 ranks) + 3 hops of K/V (ring, 4)
+    assert costs.hybrid_context_parallel_bytes(shard, 2, 4) == 4 * shard / 2 + 3 * kv
+    assert costs.hybrid_context_parallel_bytes(shard, 2, 4, backward=True) == 4 * shard / 2 + 3 * kv + 4 * kv
+    # more Ulysses, less ring: fewer bytes per rank for the same 8 ranks
+    assert costs.hybrid_context_parallel_bytes(shard, 8, 1) < costs.hybrid_context_parallel_bytes(shard, 2, 4) \
+        < costs.hybrid_context_parallel_bytes(shard, 1, 8)
+    with pytest.raises(ValueError, match="ulysses degree must be a whole number >= 1"):
+        costs.hybrid_context_parallel_bytes(shard, 0, 4)
+
+
+def test_ring_step_times_count_flops_and_bytes():
+    compute, transfer = costs.ring_step_times(1000, 4, 64, 1e12, 1e9, batch=2, kv_heads=2, bytes_per_value=4)
+    assert compute == pytest.approx(4 * 2 * 4 * 1000 ** 2 * 64 / 1e12)
+    assert transfer == pytest.approx(2 * 2 * 2 * 1000 * 64 * 4 / 1e9)
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s must be > 0"):
+        costs.ring_step_times(1000, 4, 64, 1e12, 0)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (32, 8), (128, 8)])
+def test_ring_overlap_block_is_where_compute_equals_transfer(heads, kv_heads):
+    flops, bandwidth, head_dim = 400e12, 50e9, 128
+    c = costs.ring_overlap_block_tokens(flops, bandwidth, heads=heads, kv_heads=kv_heads)
+    at = costs.ring_step_times(c, heads, head_dim, flops, bandwidth, kv_heads=kv_heads)
+    assert at[0] == pytest.approx(at[1])
+    below = costs.ring_step_times(c / 2, heads, head_dim, flops, bandwidth, kv_heads=kv_heads)
+    above = costs.ring_step_times(2 * c, heads, head_dim, flops, bandwidth, kv_heads=kv_heads)
+    assert below[0] < below[1] and above[0] > above[1]  # compute ∝ c², transfer ∝ c
+    assert c == pytest.approx(kv_heads / heads * 2 * flops / (2 * bandwidth))
+
+
+def test_ring_overlap_block_rejects_a_zero_rate():
+    with pytest.raises(ValueError, match="flops_per_s must be > 0"):
+        costs.ring_overlap_block_tokens(0, 1e9)
+
+
 # --- chapter 11: mixture of experts and expert parallelism (a block of its own) ------------------------------
 
 def test_moe_capacity_is_switch_transformers_rounded_up():

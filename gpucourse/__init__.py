@@ -9,7 +9,8 @@ Four layers, each a folder; a module imports from its own layer and the ones lis
 
 Importing the package is cheap (no torch): names are loaded on first use, so `import gpucourse`
 in a shell or a notebook costs milliseconds and `gpucourse.runtime` pulls torch only inside a rank.
-The names below are the course's public surface: `gpucourse.launch(...)`, `from gpucourse import runtime, costs`.
+The names below are the course's public surface: `gpucourse.launch(...)`, `gpucourse.launch_all([...])`,
+`from gpucourse import runtime, costs`.
 """
 from importlib import import_module
 
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 # name -> the module that defines it
 _NAMES = {
     "launch": "gpucourse.run.launcher",
+    "launch_all": "gpucourse.run.launcher",
     "LaunchError": "gpucourse.run.launcher",
     "RunResult": "gpucourse.run.result",
     "load_run": "gpucourse.run.result",

@@ -36,18 +36,16 @@ tensors saved by autograd), and the times. Also:
 --only ways,gqa,... runs only the parts named (tests use it).
 """
 import argparse
-import importlib.util
 import time
-from pathlib import Path
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from gpucourse import runtime
+from gpucourse import exercises, runtime
 
 TOLERANCE = 1e-4  # float32 against float64: attention over up to a few thousand keys rounds to ~1e-6
-SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "ex10_ring_attention.py"
 SENT = {"bytes": 0}  # bytes this rank addressed to other ranks, counted at each call
 PARTS = ("ways", "gqa", "usp", "training", "ring_step", "balance", "mistake", "torch_cp", "profile")
 
@@ -66,21 +64,11 @@ def count_point_to_point_sends() -> None:
     ProcessGroup.send = send
 
 
-def load_impl(path: str):
-    """The learner's ring attention, or the reference solution while it is not written yet."""
-    def load(p):
-        spec = importlib.util.spec_from_file_location("ring_impl", p)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    impl, device = load(path), runtime.context().device
-    try:  # every rank at once: the ring's messages meet
-        impl.shard_sequence(torch.zeros(1, 1, 2, 1, device=device), 0, 1)
-        impl.ring_attention(*(torch.zeros(1, 1, 2, 1, device=device) for _ in range(3)))
-        return impl, "yours"
-    except NotImplementedError:
-        return load(SOLUTION), "reference solution (the exercise is not written yet)"
+def probe_ex10(impl, device) -> None:
+    """shard_sequence and ring_attention once, on every rank at once (the ring's messages meet): raises
+    NotImplementedError while either is a stub."""
+    impl.shard_sequence(torch.zeros(1, 1, 2, 1, device=device), 0, 1)
+    impl.ring_attention(*(torch.zeros(1, 1, 2, 1, device=device) for _ in range(3)))
 
 
 # --- way 1: all-gather K/V --------------------------------------------------------------------------------------
@@ -474,7 +462,8 @@ def torch_context_parallel(q, k, v, want_out):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", default=str(SOLUTION))
+    parser.add_argument("--impl", default=str(exercises.exercises_dir() / "ex10_ring_attention.py"),
+                        help="the file defining shard_sequence and ring_attention (exercise ex10)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
@@ -498,7 +487,9 @@ def main():
         raise ValueError(f"--seq {args.seq} is not divisible by 2 × world size = {2 * n}: the zig-zag layout cuts "
                          f"the sequence into 2N equal chunks")
     count_point_to_point_sends()
-    impl, which = load_impl(args.impl)
+    impl, which = exercises.load_for_chapter(args.impl, "ex10_ring_attention", partial(probe_ex10, device=ctx.device))
+    if impl is None:
+        raise SystemExit(f"this chapter's ring runs exercise ex10's shard_sequence and ring_attention: {which}")
     runtime.log(case="impl", impl=which)
 
     gen = torch.Generator().manual_seed(0)

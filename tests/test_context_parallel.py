@@ -1,12 +1,10 @@
 """Chapter 10's script (scripts/10_context_parallel.py): the frontier parts, one shared 2-rank launch at tiny sizes
 (grouped-query all-gather, Ulysses × ring, a model trained under CP, a ring step timed), and the USP layout in
 this process."""
-import importlib.util
-
 import pytest
 import torch
 
-from gpucourse import costs, launch
+from gpucourse import costs, exercises, launch
 
 from .conftest import ROOT
 
@@ -33,10 +31,7 @@ def records(run, case, rank=0):
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("cp_10", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return exercises.load_file(SCRIPT, "cp_10")
 
 
 def test_weight_gradients_summed_over_cp_equal_one_process_and_unsummed_replicas_drift(run):

@@ -4,7 +4,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
@@ -125,17 +124,23 @@ def test_flooding_rank_keeps_whole_lines(runs_dir, capsys):
     assert res.ok
 
 
-def _launch_in_child(tmp_path, runs_dir, extra=""):
-    """A separate Python process (standing in for a Jupyter kernel) that launches a long job.
+HANG = {"script": str(WORKER), "nproc": 2, "args": ["--steps", "1", "--hang"]}
+
+
+def _launch_in_child(tmp_path, runs_dir, jobs=1):
+    """A separate Python process (standing in for a Jupyter kernel) that launches a long job, or `jobs` of them
+    side by side (launch_all); (process, run dir, pids) once every job's ranks have logged a step.
 
     Like a kernel it installs Python's own SIGINT handler: started from a background job of a non-interactive
     shell (some CI runners) it would inherit SIGINT ignored, and the interrupt test would interrupt nothing."""
+    start = (f"gpucourse.launch(**{HANG!r}, live='text')" if jobs == 1 else
+             f"gpucourse.launch_all([{HANG!r}] * {jobs})")
     code = textwrap.dedent(f"""
         import signal
         signal.signal(signal.SIGINT, signal.default_int_handler)
         import gpucourse
         try:
-            gpucourse.launch({str(WORKER)!r}, nproc=2, args=["--steps", "1", "--hang"], live="text")
+            {start}
         except KeyboardInterrupt:
             print("CAUGHT KeyboardInterrupt", flush=True)
             raise
@@ -143,14 +148,14 @@ def _launch_in_child(tmp_path, runs_dir, extra=""):
     with open(tmp_path / "kernel.out", "w") as out:
         # the child inherits $GPUCOURSE_RUNS_DIR = runs_dir (the fixture sets it in this process's environment)
         kernel = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         runs = list(runs_dir.glob("*/metrics/rank1.jsonl"))
-        if len(runs) == 1 and (runs[0].parent / "rank0.jsonl").exists() and "step" in runs[0].read_text():
-            run_dir = runs[0].parent.parent
-            pids = [p.pid for p in run_processes(run_dir)]
-            assert len(pids) >= 3  # the agent and two workers
-            return kernel, run_dir, pids
+        if len(runs) == jobs and all((r.parent / "rank0.jsonl").exists() and "step" in r.read_text() for r in runs):
+            run_dirs = [r.parent.parent for r in runs]
+            pids = [p.pid for run_dir in run_dirs for p in run_processes(run_dir)]
+            assert len(pids) >= 3 * jobs  # an agent and two workers each
+            return kernel, (run_dirs[0] if jobs == 1 else run_dirs), pids
         time.sleep(0.2)
     kernel.kill()
     raise AssertionError("the job never started: " + (tmp_path / "kernel.out").read_text())
@@ -172,16 +177,29 @@ def test_interrupt_stops_job_and_records_it(tmp_path, runs_dir):
     assert_nothing_left(run_dir, pids)
 
 
-def test_concurrent_launches_do_not_collide(runs_dir):
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(launch(WORKER, nproc=2, live=False, check=False)))
-               for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert [r.status for r in results] == ["ok", "ok"]
-    assert results[0].run_dir != results[1].run_dir
+def test_interrupting_launch_all_stops_every_job(tmp_path, runs_dir):
+    kernel, run_dirs, pids = _launch_in_child(tmp_path, runs_dir, jobs=2)
+    kernel.send_signal(signal.SIGINT)
+    kernel.wait(timeout=60)
+    assert "CAUGHT KeyboardInterrupt" in (tmp_path / "kernel.out").read_text()
+    assert [gpucourse.load_run(d).status for d in run_dirs] == ["interrupted", "interrupted"]
+    for run_dir in run_dirs:
+        assert_nothing_left(run_dir, pids)
+
+
+def test_launch_all_runs_side_by_side_and_raises_after_all_have_ended(runs_dir, capsys):
+    fine, failing = {"script": WORKER, "nproc": 2}, {"script": WORKER, "nproc": 2, "args": ["--fail-rank", "1"]}
+    ok, failed = gpucourse.launch_all([fine, {**failing, "check": False}])
+    assert (ok.status, failed.status) == ("ok", "failed") and ok.run_dir != failed.run_dir
+    assert failed.error.rank == 1
+    out = capsys.readouterr().out  # outside a notebook: one summary line per job, in order
+    assert out.index(ok.name) < out.index(failed.name)
+    with pytest.raises(gpucourse.LaunchError, match="rank 1") as raised:
+        gpucourse.launch_all([failing, fine])
+    assert raised.value.result.status == "failed"
+    assert {r.status for r in map(gpucourse.load_run, runs_dir.iterdir()) if r.status != "ok"} == {"failed"}
+    with pytest.raises(LaunchConfigError, match="job 1 must be a dict"):
+        gpucourse.launch_all([fine, {"nproc": 2}])
 
 
 def test_runtime_script_also_runs_as_plain_python(tmp_path, runs_dir):

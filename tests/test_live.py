@@ -143,3 +143,14 @@ def test_a_rank_s_printed_lines_come_before_the_traceback_it_died_with(tmp_path)
     lines, _ = RunTailer(tmp_path).poll()
     assert [(ln.rank, ln.text) for ln in lines] == [(0, "step 3 of rank 0"), (0, "Traceback of rank 0"),
                                                    (1, "step 3 of rank 1"), (1, "Traceback of rank 1")]
+
+
+def test_a_status_line_says_state_time_steps_and_the_last_line():
+    slot = SimpleNamespace(value="")
+    view = live.StatusLine(slot, "job: 2 rank(s)", 2)
+    assert "starting" in slot.value
+    view.update([Line(0, "stdout", "loading"), Line(1, "stdout", "step 3 loss 0.5"), Line(1, "stderr", USDT[0])],
+                [{"rank": r, "step": 3, "total": 10} for r in (0, 1)], "running")
+    assert "running" in slot.value and "4/10 steps" in slot.value and "[rank 1] step 3 loss 0.5" in slot.value
+    view.finish(result(ok=False, error=RootCause("rank 1 was killed by SIGKILL", rank=1)))
+    assert "failed" in slot.value and "rank 1 was killed by SIGKILL" in slot.value and "4/10 steps" in slot.value

@@ -18,7 +18,9 @@ import platform
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -29,7 +31,7 @@ from . import hardware
 from .agent import OPEN_STORE_WARNING, is_loopback_endpoint
 from .contract import (BACKEND_ENV, DEVICE_ENV, ENV_PREFIX, RUN_DIR_ENV, agent_log, exit_file, logs_dir, manifest_file,
                        node_suffix)
-from .live import make_view
+from .live import LIVE_ENV, StatusLine, in_notebook, make_view
 from .paths import new_run_dir, runs_root, slug
 from .procs import alive, descendants, rank_of, terminate
 from .result import RunResult, device_kinds, load_run, reported_devices
@@ -318,20 +320,23 @@ class _Stop:
 def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: float | None = None,
            name: str | None = None, env: dict | None = None, check: bool = True, live=None,
            stall_timeout: float | None = None, nnodes: int = 1, node_rank: int = 0,
-           rdzv_endpoint: str | None = None, max_restarts: int = 0) -> RunResult:
+           rdzv_endpoint: str | None = None, max_restarts: int = 0,
+           cancel: threading.Event | None = None) -> RunResult:
     """Run `script` with `nproc` ranks per node under torchrun and return what it left, as a RunResult.
 
     backend: 'auto' (NCCL when each rank has a GPU of its own, else gloo), 'gloo', 'nccl' or 'mpi'.
     timeout: stop the job after this many seconds. stall_timeout: stop it when no rank has printed or
     logged anything for this long. check: raise LaunchError (with the root cause) unless it succeeded.
     live: how to show it while it runs: None/True (widget in a notebook, text elsewhere), 'text',
-    'widget', or False. nnodes > 1 without rdzv_endpoint starts that many torchrun agents here, each a
-    "node"; with rdzv_endpoint ("host:port") this process is node `node_rank` of a real multi-host job,
-    which meets the other hosts' launches of the same `name` (the rendezvous id).
+    'widget', or False (or a view factory: launch_all's status lines). cancel: stop the job, as interrupted,
+    once this event is set (how launch_all stops a batch on Ctrl-C). nnodes > 1 without rdzv_endpoint starts
+    that many torchrun agents here, each a "node"; with rdzv_endpoint ("host:port") this process is node
+    `node_rank` of a real multi-host job, which meets the other hosts' launches of the same `name` (the
+    rendezvous id).
     Security: a job whose nodes all run here keeps its stores on 127.0.0.1 (see agent.py); a multi-host
     job's stores listen on every interface without authentication (the manifest says so under "warnings").
     """
-    if live not in (None, True, False, "auto", "widget", "text", "off"):
+    if not callable(live) and live not in (None, True, False, "auto", "widget", "text", "off"):
         raise LaunchConfigError(f"live must be True, False, 'widget', 'text' or 'off', not {live!r}")
     plan = plan_job(script, nproc=nproc, args=args, backend=backend, timeout=timeout, name=name, env=env,
                     stall_timeout=stall_timeout, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
@@ -342,7 +347,7 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
     job = _start(plan)
     tailer, stop = RunTailer(plan.run_dir), None
     try:
-        stop = _supervise(plan, job, tailer, view)
+        stop = _supervise(plan, job, tailer, view, cancel)
     except KeyboardInterrupt:
         stop = _Stop("interrupted", "interrupted (KeyboardInterrupt)", job.running_ranks())
         raise
@@ -375,10 +380,13 @@ def _start(plan: JobPlan) -> _Job:
     return _Job(agents)
 
 
-def _supervise(plan: JobPlan, job: _Job, tailer: RunTailer, view) -> _Stop | None:
-    """Follow the run until its agents end (None), or until it runs out of time or stalls (why it must stop)."""
+def _supervise(plan: JobPlan, job: _Job, tailer: RunTailer, view, cancel=None) -> _Stop | None:
+    """Follow the run until its agents end (None), or until it runs out of time, stalls or is cancelled (why it
+    must stop)."""
     last_activity, heard = time.monotonic(), False
     while not job.finished():
+        if cancel is not None and cancel.is_set():
+            return _Stop("interrupted", "interrupted (the batch it ran in was interrupted)", job.running_ranks())
         job.track()
         lines, records = tailer.poll()
         if any(ln.rank is not None for ln in lines) or records:
@@ -417,3 +425,55 @@ def _finish(plan: JobPlan, job: _Job, tailer: RunTailer, view, manifest: dict, s
     result = load_run(plan.run_dir)
     view.finish(result, stop is not None and stop.status == "interrupted")
     return result
+
+
+def launch_all(jobs: list[dict], *, parallel: int | None = None) -> list[RunResult]:
+    """Several launches side by side, each given as launch()'s keyword arguments ({"script": ..., "nproc": 2, ...}),
+    their RunResults returned in the same order. They run in threads, `parallel` at a time (default: all), so
+    their start-ups overlap. Each shows as one live line (state, seconds, steps, its last printed line), made
+    here in the calling cell; outside a notebook each prints one summary line as it ends. Interrupting (Ctrl-C,
+    the notebook's stop button) stops every job still running, leaves no process behind and re-raises. A job
+    with check=True (the default) that failed raises LaunchError once every job has ended."""
+    if not jobs:
+        return []
+    bad = [i for i, job in enumerate(jobs) if not isinstance(job, dict) or "script" not in job or "live" in job]
+    if bad:
+        raise LaunchConfigError(f"launch_all: job {bad[0]} must be a dict of launch()'s arguments with a 'script' "
+                                "(and no 'live': each job gets its own status line)")
+    cancel, lines = threading.Event(), _status_lines(len(jobs))
+
+    def run(i: int) -> RunResult:
+        job = {**jobs[i], "check": False}
+        view = (lambda header, world: StatusLine(lines[i], header, world)) if lines else "off"
+        return launch(**job, live=view, cancel=cancel)
+
+    with ThreadPoolExecutor(parallel or len(jobs)) as pool:
+        futures = [pool.submit(run, i) for i in range(len(jobs))]
+        try:
+            results = [f.result() for f in futures]
+        except BaseException:  # KeyboardInterrupt from the notebook: stop them all, wait for their clean-up
+            cancel.set()
+            wait(futures)
+            raise
+    if not lines:
+        for result in results:
+            print(result.summary().splitlines()[0], flush=True)
+    for job, result in zip(jobs, results):
+        if job.get("check", True) and not result.ok:
+            raise LaunchError(f"{result.error or result.status} (logs: {result.run_dir})", result)
+    return results
+
+
+def _status_lines(count: int) -> list:
+    """One HTML widget per job, shown now in the calling cell (a notebook), or [] elsewhere."""
+    if os.environ.get(LIVE_ENV, "auto") in ("text", "off") or not in_notebook():
+        return []
+    try:
+        import ipywidgets as w
+        from IPython.display import display
+    except ImportError:
+        return []
+    lines = [w.HTML() for _ in range(count)]
+    display(w.VBox(lines))
+    return lines
+

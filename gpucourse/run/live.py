@@ -198,6 +198,37 @@ class WidgetView:
             self.tabs.selected_index = self.tab_index(result.error.rank)
 
 
+class StatusLine:
+    """One line for a job run beside others (launch_all): state, elapsed time, steps done and the last line a rank
+    printed, in an HTML widget made by the caller in its own cell (a thread's display() would land elsewhere)."""
+
+    def __init__(self, slot, header: str, world_size: int):
+        self.slot, self.header = slot, header
+        self.progress = Progress(world_size)
+        self.last, self.started, self._last_flush = "", time.monotonic(), 0.0
+        self.slot.value = WidgetView._status_html(header, "starting")
+
+    def update(self, lines: list[Line], records: list[dict], status: str) -> None:
+        mine = shown(lines)
+        if mine:
+            self.last = with_rank(mine[-1])
+        self.progress.update(records)
+        if time.monotonic() - self._last_flush >= WidgetView.FLUSH_EVERY_S:
+            steps = f", {self.progress.text()}" if self.progress.text() else ""
+            last = f" — {self.last[:100]}" if self.last else ""
+            self.slot.value = WidgetView._status_html(
+                f"{self.header} — {time.monotonic() - self.started:.0f} s{steps}{last}", status)
+            self._last_flush = time.monotonic()
+
+    def finish(self, result, interrupted: bool = False) -> None:
+        colour = "#2e7d32" if result.ok else "#c62828"
+        state = "interrupted" if interrupted else {"ok": "finished"}.get(result.status, result.status)
+        text = f"{result.name} — {result.duration or 0:.1f} s, {result.world_size} rank(s)"
+        text += f", {self.progress.text()}" if self.progress.text() else ""
+        text += f": {result.error.summary}" if result.error else ""
+        self.slot.value = WidgetView._status_html(text, state, colour)
+
+
 class SilentView:
     def __init__(self, header: str, world_size: int):
         pass
@@ -219,7 +250,9 @@ def in_notebook() -> bool:
 
 
 def make_view(live, header: str, world_size: int):
-    """live: True/None (auto), False, or 'widget' / 'text' / 'off'."""
+    """live: True/None (auto), False, 'widget' / 'text' / 'off', or a view factory f(header, world_size)."""
+    if callable(live):
+        return live(header, world_size)
     mode = live if isinstance(live, str) else ("off" if live is False else os.environ.get(LIVE_ENV, "auto"))
     if mode == "auto":
         mode = "widget" if in_notebook() else "text"

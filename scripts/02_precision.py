@@ -28,7 +28,7 @@ ctx = runtime.setup(seed=0)
 device = ctx.device
 MODES = ("fp32", "autocast", "fp16_hook", "bf16_hook")
 gpu = device.type == "cuda"
-AMP_DTYPE = torch.bfloat16 if not gpu or torch.cuda.is_bf16_supported() else torch.float16
+AMP_DTYPE = runtime.amp_dtype()  # bfloat16, or float16 on a GPU without it (T4): then with a GradScaler
 HOOKS = {"fp16_hook": default_hooks.fp16_compress_hook, "bf16_hook": default_hooks.bf16_compress_hook}
 
 
@@ -53,7 +53,7 @@ def train(mode, reference):
         runtime.log(mode=mode, error=f"{type(err).__name__}: {str(err).splitlines()[0]}")
         return None
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler(device.type) if mode == "autocast" and AMP_DTYPE == torch.float16 else None
+    scaler = runtime.grad_scaler(AMP_DTYPE) if mode == "autocast" else None
     params = []
     with runtime.profile(wait=1, warmup=1, active=max(1, args.steps - 2), record_shapes=True, name=mode) as prof:
         for step in range(args.steps):
@@ -76,7 +76,7 @@ def train(mode, reference):
             runtime.log(step=MODES.index(mode) * args.steps + step, total=len(MODES) * args.steps, mode=mode,
                         loss=loss.item(), max_diff=diff, output_dtype=str(out.dtype),
                         param_dtype=str(next(model.parameters()).dtype), grad_dtype=grad_dtype,
-                        scaler=scaler is not None)
+                        scaler=scaler is not None and scaler.is_enabled())
     return params
 
 

@@ -53,3 +53,23 @@ def test_platform_detection(monkeypatch, env, name):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert hardware.platform_name() == name
+
+
+# --- the 16-bit type a device trains in (runtime.amp_dtype): bf16, or fp16 + a scaler on a T4 ---------------
+@pytest.mark.parametrize("bf16_compute, want", [(True, "bfloat16"), (False, "float16")])
+def test_a_gpu_without_bf16_compute_trains_in_fp16_with_a_scaler(monkeypatch, bf16_compute, want):
+    import torch
+
+    from gpucourse.run import runtime
+
+    asked = []
+
+    def is_bf16_supported(including_emulation=True):  # a T4: emulation only (compute capability 7.5)
+        asked.append(including_emulation)
+        return bf16_compute or including_emulation
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    dtype = runtime.amp_dtype(torch.device("cuda"))
+    assert dtype == getattr(torch, want) and asked == [False]  # emulated bf16 does not count
+    assert runtime.grad_scaler(dtype, "cpu").is_enabled() == (want == "float16")
+    assert runtime.amp_dtype("cpu") == torch.bfloat16 and not runtime.grad_scaler(torch.bfloat16, "cpu").is_enabled()

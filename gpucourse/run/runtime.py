@@ -228,6 +228,24 @@ def context() -> Context:
     return _ctx
 
 
+def amp_dtype(device=None) -> torch.dtype:
+    """The 16-bit type to train in on `device` (default: this rank's): bfloat16 where the device computes in it
+    (CPUs; NVIDIA from Ampere on: A100, L4, H100), float16 where it does not (T4, V100: Colab's and Kaggle's free
+    GPUs). torch calls bfloat16 "supported" on a T4 because it can emulate it, slowly: emulation does not count
+    here. float16 needs a loss scaler: grad_scaler()."""
+    device = torch.device(device if device is not None else context().device)
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.float16
+    return torch.bfloat16
+
+
+def grad_scaler(dtype: torch.dtype, device=None) -> torch.amp.GradScaler:
+    """A GradScaler that scales the loss for float16 and does nothing for the other types (bfloat16 and float32
+    have float32's range: nothing underflows), so a training loop is the same whichever amp_dtype() chose."""
+    device = torch.device(device if device is not None else context().device)
+    return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+
 def _write_record(record: dict) -> None:
     global _metrics_file
     ctx = context()

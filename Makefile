@@ -9,13 +9,13 @@ PYTEST_ARGS ?=
 
 .PHONY: install lab kernel test browser-pass course bench exercises clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gpucourse needs Python 3.11 or newer; set PYTHON=python3.11")'
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "Installing the course and its packages into $(VENV) (once). The big one is torch: about 200 MB as a"
 	@echo "CPU build, several GB where pip picks the CUDA build (Linux's default). It takes minutes; pip lists each package."
 	@echo "After 'Installing collected packages' pip unpacks them without a word for a minute or two (torch is most of it)."
-	$(BIN)/python -m pip install --progress-bar off --disable-pip-version-check -e ".[dev]"
+	$(BIN)/python -m pip install --progress-bar off --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	@echo "Installed into $(VENV)."
 	@touch $(STAMP)
 

@@ -23,13 +23,21 @@ def test_environment_yml_installs_the_package_from_pyproject():
     declared = set(project["project"]["dependencies"])
     for deps in project["project"]["optional-dependencies"].values():
         declared |= set(deps)
-    assert all(line in declared for line in pip if not line.startswith("-e")), pip
+    assert all(line in declared for line in pip if not line.startswith(("-e", "-c constraints.txt"))), pip
+    assert "-c constraints.txt" in pip  # the torch CI tests, as make installs it
 
 
-def test_torch_is_pinned_to_the_build_the_course_is_tested_with():
+def test_torch_is_a_tested_range_and_ci_pins_the_highest():
+    from gpucourse.run.hardware import TESTED_TORCH, torch_note
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert "torch==2.13.0" in project["project"]["dependencies"]
+    low, high = TESTED_TORCH
+    assert f"torch>={low}" in project["project"]["dependencies"]  # a preinstalled newer torch is kept
+    assert f"torch=={high}" in (ROOT / "constraints.txt").read_text().splitlines()
+    assert "-c constraints.txt" in (ROOT / "Makefile").read_text()  # make lab / make test / CI install that one
     assert project["project"]["requires-python"] == ">=3.11"
+    assert torch_note("2.13.0") == torch_note("2.11.0+cu130") == torch_note("2.12.1") == ""
+    assert "untested" in torch_note("2.10.0") and "untested" in torch_note("2.14.0")
 
 
 def test_readme_documents_the_two_commands_ci_runs():

@@ -80,6 +80,23 @@ def platform_name() -> str:
     return "local machine"
 
 
+# The torch releases the course has run on: the lowest on a lent GPU machine (docs/gpu-report-*.md says what did
+# not run there), the highest in CI. pyproject.toml admits every torch from the lowest, so that Colab's or
+# Kaggle's preinstalled torch is kept; constraints.txt pins CI's.
+TESTED_TORCH = ("2.11", "2.13.0")
+
+
+def torch_note(version: str) -> str:
+    """'' for a tested torch, else what to expect (a development build counts as its release)."""
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in v.split("+")[0].split(".")[:2])
+
+    low, high = TESTED_TORCH
+    if key(low) <= key(version) <= key(high):
+        return ""
+    return f" — untested: the course is tested on torch {low} to {high}; expect a chapter here or there to differ"
+
+
 @dataclass
 class HardwareReport:
     cpus: int
@@ -108,7 +125,8 @@ class HardwareReport:
         backends = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in self.backends.items())
         return [("platform", self.platform), ("CPUs", f"{self.cpus} × {self.cpu_model}"),
                 ("memory", f"{self.memory_gib:.1f} GiB"), ("GPUs", gpus),
-                ("torch", f"{self.torch_version} (CUDA {self.cuda_version or '—'}, NCCL {self.nccl_version or '—'})"),
+                ("torch", f"{self.torch_version} (CUDA {self.cuda_version or '—'}, NCCL {self.nccl_version or '—'})"
+                          + torch_note(self.torch_version)),
                 ("backends", backends),
                 ("launcher default", f"backend={self.chosen_backend}, nproc={self.chosen_nproc}")]
 

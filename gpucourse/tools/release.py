@@ -27,7 +27,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from . import exercises
+from . import colab, exercises
 from .exercises import BEGIN, END, ExerciseError
 
 # What learners get, relative to the checkout. The graders ship inside the package; the mutants (tests/mutants/:
@@ -85,6 +85,17 @@ def _point_smoke_at_exercises(files: dict[str, bytes]) -> list[str]:
             changed.append(f"{rel}: smoke parameter {key} now {value}")
         if edits:  # the notebooks' own format (a test keeps them so): one-space indent, sorted keys
             files[rel] = (json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n").encode()
+    return changed
+
+
+def _stamp_source(files: dict[str, bytes], source: str) -> list[str]:
+    """The release's git URL into each chapter's Colab start cell (colab.stamp_notebook). Returns what changed."""
+    changed = []
+    for rel in [r for r in files if r.startswith("notebooks/") and r.endswith(".ipynb")]:
+        nb = json.loads(files[rel])
+        if colab.stamp_notebook(nb, Path(rel).name, source):
+            files[rel] = (json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n").encode()
+            changed.append(f"{rel}: its start cell fetches the course from {source}")
     return changed
 
 
@@ -352,8 +363,9 @@ def _manifest(root: Path, commit: str, dirty: list[str], files: dict[str, bytes]
 
 
 # --- the release ------------------------------------------------------------------------------------
-def make_release(dest: str | Path, root: Path | None = None) -> Path:
+def make_release(dest: str | Path, root: Path | None = None, source: str = "") -> Path:
     """Write the learners' copy of the course at `dest` (new or empty, outside the checkout). Returns its manifest.
+    source: the release's git URL, written into every chapter's Colab start cell (and a Colab badge, for GitHub).
 
     Raises ReleaseError before writing anything when dest is unsuitable, the checkout has no solutions/ (a
     release is made from the course's checkout), exercises/ is out of date, or a solution would leak.
@@ -386,6 +398,8 @@ def make_release(dest: str | Path, root: Path | None = None) -> Path:
     files[f"{GRADERS}/{exercises.REQUIRED_NAMES}"] = (json.dumps(required, indent=1) + "\n").encode()
     files["README.md"] = _readme_note(files["README.md"].decode(), commit).encode()
     written += _point_smoke_at_exercises(files)
+    if source:
+        written += _stamp_source(files, source)
 
     leaks, looked_for = find_leaks(files, solutions)
     if leaks:
@@ -417,7 +431,7 @@ def make_release(dest: str | Path, root: Path | None = None) -> Path:
 # --- command line ------------------------------------------------------------------------------------
 def _cmd_release(args) -> int:
     """Bad input raises ReleaseError; the CLI (cli.main) prints it as one line and exits 2."""
-    manifest = make_release(args.dir)
+    manifest = make_release(args.dir, source=args.source or "")
     count = sum(1 for p in manifest.parent.rglob("*") if p.is_file())
     print(f"release written to {manifest.parent} ({count} files, no solutions); what it holds and what was "
           f"left out: {manifest}")
@@ -430,4 +444,6 @@ def add_cli(subparsers) -> None:
                               description="Exit code: 0 written, 2 bad input (DIR not empty or inside the "
                                           "checkout, exercises/ stale, a solution would leak): nothing written.")
     p.add_argument("dir", metavar="DIR", help="a new or empty folder outside the checkout")
+    p.add_argument("--source", metavar="URL", help="where learners will fetch this release (its git URL): written "
+                   "into each chapter's first cell, for Colab and Kaggle (and an Open in Colab badge, for GitHub)")
     p.set_defaults(func=_cmd_release)

@@ -1,8 +1,10 @@
 """The course's figures: small functions, each returning one matplotlib Figure.
 
 Every figure says where its numbers came from. Pass `label=run_label(result)` ("cpu · gloo · 4 ranks")
-and it goes into the title; numbers from a model, not a run, are titled as modelled. The figures are
-closed before they are returned, so a notebook shows each one once: where you display it.
+and it goes into the title (`runs_label` for several runs in one figure); numbers from a model, not a run,
+are titled as modelled. A figure is built without pyplot's state (`Figure(...)`), or closed before it is
+returned, so a notebook shows each one once: where you display it (the cell's last expression, or
+`display(fig)`; the chapter's first cell runs `%matplotlib inline` so that a bare Figure is drawn).
 """
 from __future__ import annotations
 

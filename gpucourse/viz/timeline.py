@@ -336,7 +336,7 @@ def step_fractions_plot(fractions: dict, *, title: str = ""):
     """
     if not fractions:
         raise ValueError("step_fractions_plot needs {run name: analysis.fractions()}")
-    fig, ax = _axes(None, (8, 0.6 + 0.55 * len(fractions)))
+    fig, ax = _axes(None, (8, 1.4 + 0.55 * len(fractions)))
     for i, f in enumerate(fractions.values()):
         left = 0
         for part, colour in FRACTION_COLOURS.items():
@@ -344,6 +344,7 @@ def step_fractions_plot(fractions: dict, *, title: str = ""):
             left += f[part]
         ax.text(1.01, i, f"{f['step_ms']:.0f} ms/step, comm {f['comm']:.0%} of step", va="center", fontsize=8)
     ax.set_yticks(range(len(fractions)), list(fractions))
+    ax.invert_yaxis()  # the first run on top, in the order the runs are printed
     ax.set(xlim=(0, 1), xlabel="fraction of a profiled step (mean over ranks)", title=title)
-    ax.legend(loc="lower left", fontsize=8, bbox_to_anchor=(0, 1.12), ncol=3)
+    fig.legend(loc="outside lower center", fontsize=8, ncols=3)  # below: above the bars it covered the title
     return fig

@@ -219,3 +219,189 @@ def test_replica_drift_plot_draws_one_line_per_run():
     assert "all-reduced" in ax.get_legend().get_texts()[0].get_text() and LABEL in ax.get_title()
     with pytest.raises(ValueError, match="cp_training"):
         plots.replica_drift_plot([])
+
+
+# --- the chapter figures moved out of the notebooks ----------------------------------------------
+
+def named_lines(ax):
+    return [line for line in ax.lines if not line.get_label().startswith("_")]
+
+
+def legend_texts(ax):
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+class FakeRun:
+    """What runs_label reads of a RunResult."""
+
+    def __init__(self, device, backend, world_size):
+        self.device, self.manifest, self.world_size = device, {"backend": backend}, world_size
+
+
+def test_runs_label_names_every_world_size_once():
+    runs = [FakeRun("cpu", "gloo", n) for n in (4, 1, 2, 2)]
+    assert plots.runs_label(runs) == "cpu · gloo · 1, 2, 4 ranks"
+    assert plots.runs_label([FakeRun("cpu", "gloo", 1)]) == "cpu · gloo · 1 rank"
+    mixed = [FakeRun("cuda", "nccl", 2), FakeRun("cpu", "gloo", 1)]
+    assert plots.runs_label(mixed) == "cuda / cpu · nccl / gloo · 1, 2 ranks"
+    with pytest.raises(ValueError, match="at least one run"):
+        plots.runs_label([])
+
+
+def test_equivalence_plot_one_log_line_per_variant_zeros_kept_on_the_axis():
+    diffs = {"mean": [0.0, 3e-8, 6e-8], "sum": [1e-3, 2e-3, 4e-3]}
+    fig = plots.equivalence_plot(diffs, label=LABEL)
+    ax, = fig.axes
+    assert ax.get_yscale() == "log" and LABEL in ax.get_title()
+    lines = named_lines(ax)
+    assert [line.get_label() for line in lines] == ["mean", "sum"] == legend_texts(ax)
+    assert list(lines[0].get_xdata()) == [1, 2, 3]  # steps counted from 1
+    assert list(lines[0].get_ydata()) == [1e-10, 3e-8, 6e-8]  # a zero difference drawn at the floor
+    assert ax.get_ylabel() == "max |θ_DDP − θ_single|" and "float32 rounding" in texts(ax)
+    with pytest.raises(ValueError, match="variant"):
+        plots.equivalence_plot({})
+
+
+def test_loss_curves_plot_reference_solid_others_dashed_and_their_difference():
+    curves = {"1 process": [2.0, 1.5, 1.0], "2x1 fsdp": [2.0, 1.5 + 1e-7, 1.0 - 2e-7], "1x2 fsdp": [2.0, 1.5, 1.0]}
+    fig = plots.loss_curves_plot(curves, reference="1 process", title=f"same losses ({LABEL})", difference=True)
+    loss_ax, diff_ax = fig.axes
+    assert LABEL in loss_ax.get_title() and legend_texts(loss_ax) == list(curves)
+    assert [line.get_linestyle() for line in loss_ax.lines] == ["-", "--", "--"]
+    assert list(loss_ax.lines[1].get_ydata()) == curves["2x1 fsdp"]
+    assert diff_ax.get_yscale() == "symlog" and diff_ax.get_ylim() == (0, 1e-3)
+    assert diff_ax.lines[0].get_ydata().tolist() == [0, 0, 0]
+    assert diff_ax.lines[1].get_ydata().tolist() == pytest.approx([0, 1e-7, 2e-7], abs=1e-12)
+    assert "1 process" in diff_ax.get_ylabel()
+
+
+def test_loss_curves_plot_alone_and_its_bad_input():
+    fig = plots.loss_curves_plot({"torch DDP": [1, 0.5], "your DDP": [1, 0.5]}, reference="torch DDP",
+                                 ylabel="rank 0's loss")
+    assert len(fig.axes) == 1 and fig.axes[0].get_ylabel() == "rank 0's loss"
+    with pytest.raises(ValueError, match="reference 'x' is not one of"):
+        plots.loss_curves_plot({"a": [1]}, reference="x")
+    with pytest.raises(ValueError, match="needs a reference"):
+        plots.loss_curves_plot({"a": [1]}, difference=True)
+
+
+def test_lr_schedule_plot_steps_left_epochs_right_cosine_dashed_in_the_same_colour():
+    schedules = {"1 rank(s)": {"constant": [1, 2, 2, 2, 2], "cosine": [1, 2, 1.5, 0.5, 0], "steps_per_epoch": 2},
+                 "2 rank(s)": {"constant": [1, 4, 4], "cosine": [1, 4, 0], "steps_per_epoch": 1}}
+    steps_ax, epochs_ax = plots.lr_schedule_plot(schedules, title="warmup_lr (reference)").axes
+    assert legend_texts(steps_ax) == list(schedules)
+    assert len(steps_ax.lines) == len(epochs_ax.lines) == 4  # constant and cosine per world size
+    solid, dashed = steps_ax.lines[:2]
+    assert dashed.get_linestyle() == "--" and dashed.get_color() == solid.get_color()
+    assert list(steps_ax.lines[2].get_xdata()) == [0, 1, 2]
+    assert list(epochs_ax.lines[0].get_xdata()) == [0, 0.5, 1, 1.5, 2]  # steps / steps_per_epoch
+    assert (steps_ax.get_xlabel(), epochs_ax.get_xlabel()) == ("optimizer step", "epoch")
+
+
+def lr_run(rule, lr, n, losses, acc):
+    """A 04_large_batch.py run of one rule: header and one record per evaluation, two steps per epoch."""
+    header = {"rule": rule, "header": True, "global_batch": 32 * n, "base_batch": 32, "steps_per_epoch": 4}
+    points = [{"epoch": 0.0, "train_loss": None, "test_acc": 0.1, "step_losses": [], "lrs": []}]
+    points += [{"epoch": (i + 1) / 2, "train_loss": sum(pair) / 2, "test_acc": a, "step_losses": list(pair),
+                "lrs": [lr, lr]} for i, (pair, a) in enumerate(zip(zip(losses[::2], losses[1::2]), acc))]
+    return {"header": header, "points": points}
+
+
+NAMES = {"keep": "(a) keep η", "linear": "(b) scale η × k", "warmup": "(c) scale η × k with warmup"}
+
+
+def lr_runs():
+    baseline = lr_run("keep", 0.1, 1, [2.0, 1.6, 1.2, 1.0], [0.5, 0.7])
+    runs = {n: {"keep": lr_run("keep", 0.1, n, [2.0, 1.9, 1.8, 1.7], [0.3, 0.4]),
+                "linear": lr_run("linear", 0.1 * n, n, [2.0, 9.0, 3.0, 2.0], [0.1, 0.2]),
+                "warmup": lr_run("warmup", 0.1 * n, n, [2.0, 1.5, 1.1, 1.0], [0.5, 0.7])} for n in (2, 4)}
+    return baseline, runs
+
+
+def test_lr_rules_plot_a_column_per_world_size_baseline_and_rules_in_each():
+    baseline, runs = lr_runs()
+    fig = plots.lr_rules_plot(runs, baseline, names=NAMES, labels={2: "cpu · gloo · 2 ranks", 4: LABEL})
+    assert len(fig.axes) == 4  # loss and accuracy, for 2 and 4 ranks
+    loss_ax, acc_ax = fig.axes[1], fig.axes[3]  # the 4-rank column
+    assert LABEL in loss_ax.get_title() and "global batch 128 = 4 × 32, k = 4" in loss_ax.get_title()
+    assert legend_texts(loss_ax) == ["1 rank (baseline)", *NAMES.values()]
+    assert loss_ax.get_yscale() == "log" and acc_ax.get_ylim() == (0, 1)
+    baseline_line, _, linear, _ = loss_ax.lines
+    assert baseline_line.get_linestyle() == "--" and baseline_line.get_color() == "black"
+    assert list(linear.get_xdata()) == [0.5, 1.0]  # the point before training (no loss yet) left out
+    assert list(linear.get_ydata()) == [5.5, 2.5]
+    assert list(acc_ax.lines[2].get_ydata()) == [0.1, 0.1, 0.2]  # accuracy from the first evaluation on
+    with pytest.raises(ValueError, match="at least one world size"):
+        plots.lr_rules_plot({}, baseline, names=NAMES, labels={})
+
+
+def test_running_mean_of_the_last_width_values():
+    assert plots.running_mean([2, 4, 6, 8], 2) == [2, 3, 5, 7]
+    assert plots.running_mean([1.0], 5) == [1.0]
+    with pytest.raises(ValueError, match="width"):
+        plots.running_mean([1.0], 0)
+
+
+def test_first_epoch_plot_raw_and_smoothed_losses_and_each_rules_learning_rate():
+    baseline, runs = lr_runs()
+    loss_ax, lr_ax = plots.first_epoch_plot(runs[4], baseline, names=NAMES, label=LABEL).axes
+    assert LABEL in loss_ax.get_title() and loss_ax.get_yscale() == "log"
+    assert legend_texts(loss_ax) == ["1 rank (baseline)", *NAMES.values()]
+    raw, smooth = loss_ax.lines[2], loss_ax.lines[3]  # the "keep" rule: faint raw line, then its running mean
+    assert list(raw.get_xdata()) == [0.25, 0.5, 0.75, 1.0]  # one epoch = steps_per_epoch steps
+    assert list(raw.get_ydata()) == [2.0, 1.9, 1.8, 1.7] and raw.get_alpha() == 0.25
+    assert list(smooth.get_ydata()) == pytest.approx(plots.running_mean([2.0, 1.9, 1.8, 1.7], 2))
+    assert [list(line.get_ydata()) for line in lr_ax.lines] == [[0.1] * 4, [0.1] * 4, [0.4] * 4, [0.4] * 4]
+    assert lr_ax.lines[0].get_linestyle() == "--"  # the baseline
+
+
+def test_tp_split_diagram_colours_each_ranks_block():
+    fig = plots.tp_split_diagram(4)
+    top, bottom = fig.axes
+    assert "column-parallel linear on 4 ranks" in top.get_title() and "row-parallel" in bottom.get_title()
+    for block in ("A1", "A4", "Y1", "Y4"):
+        assert block in texts(top)
+    # row-parallel: X in 4 column blocks, A in 4 row blocks, 4 partial products of the full shape
+    assert len(bottom.patches) == 4 + 4 + 4 and len(top.patches) == 1 + 4 + 4
+    with pytest.raises(ValueError, match="between 1 and 10"):
+        plots.tp_split_diagram(11)
+
+
+def test_tp_cost_plot_groups_compute_and_one_bar_per_link_per_degree():
+    model = {(tp, link): (1e-3 / tp, t * tp) for tp in (2, 4, 8) for link, t in (("NVLink", 1e-5), ("IB", 1e-4))}
+    fig = plots.tp_cost_plot(model, title="modelled (nominal link rates)")
+    ax, = fig.axes
+    assert ax.get_yscale() == "log" and "modelled" in ax.get_title()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["TP = 2", "TP = 4", "TP = 8"]
+    assert legend_texts(ax) == ["compute (assumed throughput)", "communication, NVLink", "communication, IB"]
+    heights = [p.get_height() for p in ax.patches]
+    assert heights == pytest.approx([0.5, 0.02, 0.2, 0.25, 0.04, 0.4, 0.125, 0.08, 0.8])  # ms, by degree
+
+
+def test_restart_plot_a_line_per_attempt_over_the_uninterrupted_run():
+    from gpucourse import timeline
+    clean = [{"step": s, "loss": 1.0 / (s + 1), "total": 6} for s in range(6)]
+    killed = [{"step": s, "loss": 1.0 / (s + 1), "attempt": 0} for s in range(4)]
+    killed += [{"step": s, "loss": 1.0 / (s + 1), "attempt": 1} for s in range(2, 6)]
+    ax, = timeline.restart_plot(clean, killed, kill_at=4, kill_rank=1, label=LABEL).axes
+    assert LABEL in ax.get_title() and ax.get_yscale() == "log"
+    assert legend_texts(ax) == ["uninterrupted", "killed run, attempt 0", "killed run, attempt 1 (restarted)",
+                                "rank 1 SIGKILLed before step 4"]
+    assert list(ax.lines[1].get_xdata()) == [0, 1, 2, 3] and list(ax.lines[2].get_xdata()) == [2, 3, 4, 5]
+    assert list(ax.lines[3].get_xdata()) == [4, 4]  # the kill
+    with pytest.raises(ValueError, match="attempt"):
+        timeline.restart_plot(clean, clean, kill_at=4, kill_rank=1)
+
+
+def test_step_fractions_plot_bars_stack_to_the_whole_step():
+    from gpucourse import timeline
+    fractions = {"2x1 fsdp": {"step_ms": 40.0, "compute": 0.5, "exposed": 0.3, "other": 0.2, "comm": 0.4},
+                 "1x2 fsdp": {"step_ms": 80.0, "compute": 0.25, "exposed": 0.5, "other": 0.25, "comm": 0.5}}
+    ax, = timeline.step_fractions_plot(fractions, title=f"compute vs exposed communication ({LABEL})").axes
+    assert LABEL in ax.get_title()
+    assert [t.get_text() for t in ax.figure.legends[0].get_texts()] == ["compute", "exposed", "other"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == list(fractions)
+    widths = [p.get_width() for p in ax.patches]
+    assert widths == pytest.approx([0.5, 0.3, 0.2, 0.25, 0.5, 0.25])
+    assert [p.get_x() for p in ax.patches][:3] == pytest.approx([0, 0.5, 0.8])  # stacked left to right
+    assert "80 ms/step, comm 50% of step" in texts(ax)

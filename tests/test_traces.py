@@ -202,6 +202,24 @@ def test_a_bad_rank_is_reported_and_the_others_still_analysed(tmp_path):
     assert "problem: rank 1" in analysis.summary()
 
 
+def test_fractions_are_the_mean_step_over_the_ranks_split_into_its_parts():
+    from gpucourse.models.traces import RankAnalysis, RunAnalysis, StepBreakdown
+
+    def rank(r, duration, compute, comm, exposed):
+        step = StepBreakdown(r, 0, 0.0, duration, compute, comm, exposed, duration - compute - exposed)
+        return RankAnalysis(r, None, "cpu-gloo", [step], {})
+
+    run = RunAnalysis("cpu-gloo", "gloo", 2, {0: rank(0, 10e3, 6e3, 4e3, 2e3), 1: rank(1, 30e3, 10e3, 8e3, 8e3)})
+    f = run.fractions()  # mean step 20 ms: compute 8, exposed 5, other 7; comm 6 of which 1 hidden
+    assert f["step_ms"] == pytest.approx(20)
+    assert (f["compute"], f["exposed"], f["other"], f["comm"]) == pytest.approx((0.4, 0.25, 0.35, 0.3))
+    assert f["overlap"] == pytest.approx(1 / 6)
+    silent = RunAnalysis("cpu-gloo", "gloo", 1, {0: rank(0, 10e3, 10e3, 0.0, 0.0)}).fractions()
+    assert math.isnan(silent["overlap"]) and silent["comm"] == 0
+    with pytest.raises(ValueError, match="no rank analysed"):
+        RunAnalysis("cpu-gloo", "gloo", 2, {}).fractions()
+
+
 def test_run_without_traces_or_with_only_bad_ones_raises(tmp_path):
     run_dir = fake_run(tmp_path, {})
     with pytest.raises(TraceError, match=r"no traces named rank<rank>\.json in .*traces: .*runtime\.profile"):

@@ -209,6 +209,21 @@ class RunAnalysis:
                          "other_ms": ra.mean("other_us") / 1e3, "overlap": ra.overlap})
         return rows
 
+    def fractions(self) -> dict:
+        """The mean step over the ranks: its time (ms), and compute, exposed comm, other and all comm as
+        fractions of it; overlap: the share of comm hidden behind compute (nan without comm)."""
+        table = self.table()
+        if not table:
+            raise ValueError(f"{self.label()}: no rank analysed, so no step to split")
+
+        def mean(key):
+            return sum(r[key] for r in table) / len(table)
+
+        step, comm = mean("step_ms"), mean("comm_ms")
+        return {"step_ms": step, "compute": mean("compute_ms") / step, "exposed": mean("exposed_comm_ms") / step,
+                "other": mean("other_ms") / step, "comm": comm / step,
+                "overlap": 1 - mean("exposed_comm_ms") / comm if comm else math.nan}
+
     def summary(self) -> str:
         lines = [f"{self.label()}: {len(self.ranks)} of {self.world_size} rank(s) analysed",
                  "rank  steps   step ms  compute ms  comm ms  exposed ms  other ms  overlap"]

@@ -1,8 +1,10 @@
 """The course's figures: small functions, each returning one matplotlib Figure.
 
 Every figure says where its numbers came from. Pass `label=run_label(result)` ("cpu · gloo · 4 ranks")
-and it goes into the title; numbers from a model, not a run, are titled as modelled. The figures are
-closed before they are returned, so a notebook shows each one once: where you display it.
+and it goes into the title (`runs_label` for several runs in one figure); numbers from a model, not a run,
+are titled as modelled. A figure is built without pyplot's state (`Figure(...)`), or closed before it is
+returned, so a notebook shows each one once: where you display it (the cell's last expression, or
+`display(fig)`; the chapter's first cell runs `%matplotlib inline` so that a bare Figure is drawn).
 """
 from __future__ import annotations
 
@@ -417,3 +419,258 @@ def replica_drift_plot(records: list, label: str = ""):
     ax.set_title(f"replicas under context parallelism — {label}", fontsize=9)
     ax.legend(fontsize=8)
     return _finish(fig)
+
+
+def runs_label(results) -> str:
+    """'cpu · gloo · 1, 2, 4 ranks': device(s), backend(s) and world sizes of several runs drawn in one figure."""
+    results = list(results)
+    if not results:
+        raise ValueError("runs_label needs at least one run")
+    devices = " / ".join(dict.fromkeys(r.device for r in results))
+    backends = " / ".join(dict.fromkeys(str(r.manifest.get("backend", "?")) for r in results))
+    sizes = ", ".join(str(n) for n in sorted({r.world_size for r in results}))
+    return f"{devices} · {backends} · {sizes} rank{'' if sizes == '1' else 's'}"
+
+
+def _log_y(ax) -> None:
+    """A log y axis labelled with plain numbers (0.5, 1, 2, 3, 5, ...)."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(ticker.FuncFormatter(
+        lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 3, 5) else ""))
+
+
+# --- the same training done two ways, step by step (chapters 02 and 09) ----------------------------
+
+FLOAT32_ROUNDING = 1e-5  # parameter differences below this are float32 rounding, not a different computation
+
+
+def equivalence_plot(diffs: dict, *, label: str = ""):
+    """The largest |parameter difference| between DDP and one process after each step, one line per variant.
+
+    diffs: {variant: [difference after step 1, after step 2, ...]}, as 02_equivalence.py logs them. Log y
+    axis; zeros are drawn at 1e-10 (a log axis has no 0); a dashed line marks float32 rounding.
+    """
+    if not diffs or not any(diffs.values()):
+        raise ValueError("equivalence_plot needs {variant: [max difference after each step]}")
+    fig = Figure(figsize=(7, 3.5), layout="constrained")
+    ax = fig.subplots()
+    for variant, values in diffs.items():
+        ax.semilogy(range(1, len(values) + 1), [max(v, 1e-10) for v in values], marker="o", label=variant)
+    ax.axhline(FLOAT32_ROUNDING, color="0.5", ls="--", lw=0.8)
+    ax.text(1, 1.5 * FLOAT32_ROUNDING, "float32 rounding", fontsize=8, color="0.4")
+    ax.set(xlabel="step", ylabel="max |θ_DDP − θ_single|",
+           title="DDP vs one process on the global batch" + (f" ({label})" if label else ""))
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))  # steps are whole numbers
+    ax.legend(fontsize=8)
+    return fig
+
+
+def loss_curves_plot(curves: dict, *, reference: str | None = None, title: str = "",
+                     ylabel: str = "training loss", difference: bool = False):
+    """Loss per step of several trainings that should agree, one line per name; the reference line solid.
+
+    curves: {name: [loss at step 0, 1, ...]}. reference: the name the others are compared with (drawn
+    thicker, the others dashed). difference: a second panel with |loss − reference's| per step (symlog y, 0
+    to 1e-3: float rounding near the bottom, a real bug off the top). fig.axes: (losses[, differences]).
+    """
+    if not curves:
+        raise ValueError("loss_curves_plot needs {name: [loss per step]}")
+    if reference is not None and reference not in curves:
+        raise ValueError(f"reference {reference!r} is not one of the curves {list(curves)}")
+    if difference and reference is None:
+        raise ValueError("difference=True needs a reference curve to subtract")
+    fig = Figure(figsize=(11, 3.4) if difference else (7, 3), layout="constrained")
+    axes = fig.subplots(1, 2 if difference else 1, squeeze=False)[0]
+    for name, losses in curves.items():
+        ref = name == reference
+        axes[0].plot(losses, label=name, lw=2 if ref else 1, ls="-" if ref else "--")
+        if difference:
+            axes[1].plot([abs(a - b) for a, b in zip(losses, curves[reference])], label=name)
+    axes[0].set(xlabel="step", ylabel=ylabel, title=title)
+    axes[0].legend(fontsize=8)
+    if difference:
+        axes[1].set_yscale("symlog", linthresh=1e-8)
+        axes[1].set(xlabel="step", ylabel=f"|loss − {reference}|", ylim=(0, 1e-3),
+                    title=f"difference from {reference}")
+    return fig
+
+
+# --- learning-rate rules for large batches (chapter 04) ---------------------------------------------
+
+LR_RULE_COLOURS = {"keep": "tab:blue", "linear": "tab:red", "warmup": "tab:green"}
+
+
+def lr_schedule_plot(schedules: dict, *, title: str = ""):
+    """A learning-rate schedule per world size, against optimizer steps (left) and epochs (right).
+
+    schedules: {name: {"constant": [lr at step 0..T], "cosine": [the same with cosine decay],
+    "steps_per_epoch": int}}; the cosine variant is dashed, in its run's colour.
+    """
+    if not schedules:
+        raise ValueError("lr_schedule_plot needs {name: {'constant', 'cosine', 'steps_per_epoch'}}")
+    fig = Figure(figsize=(11, 3.4), layout="constrained")
+    axes = fig.subplots(1, 2)
+    for name, s in schedules.items():
+        steps = list(range(len(s["constant"])))
+        for ax, xs in zip(axes, (steps, [x / s["steps_per_epoch"] for x in steps])):
+            line, = ax.plot(xs, s["constant"], label=name)
+            ax.plot(xs, s["cosine"], "--", color=line.get_color(), lw=1)
+    axes[0].set(xlabel="optimizer step", ylabel="learning rate", title=title)
+    axes[1].set(xlabel="epoch", ylabel="learning rate", title="the same, against epochs")
+    axes[0].legend(fontsize=8)
+    return fig
+
+
+def _rule_lines(baseline: dict, by_rule: dict, names: dict):
+    """(curve, style) for the 1-rank baseline (black, dashed) then each rule's run in its colour."""
+    yield baseline, {"color": "black", "ls": "--", "lw": 1.5, "label": "1 rank (baseline)"}
+    for i, (rule, curve) in enumerate(by_rule.items()):
+        yield curve, {"color": LR_RULE_COLOURS.get(rule, f"C{i}"), "lw": 1.5, "label": names.get(rule, rule)}
+
+
+def lr_rules_plot(runs: dict, baseline: dict, *, names: dict, labels: dict):
+    """Training loss (log) and test accuracy against epochs: one column per world size, a line per rule.
+
+    runs: {world size: {rule: {"header": {...}, "points": [records]}}} as 04_large_batch.py logs them (rank
+    0), without the 1-rank run; baseline: the 1-rank run's {"header", "points"}, dashed black in every column.
+    names: {rule: legend name}; labels: {world size: plots.run_label of that run}.
+    """
+    if not runs:
+        raise ValueError("lr_rules_plot needs the runs of at least one world size above 1")
+    fig = Figure(figsize=(5.5 * len(runs), 7), layout="constrained")
+    axes = fig.subplots(2, len(runs), sharex=True, squeeze=False)
+    for col, (n, by_rule) in enumerate(runs.items()):
+        loss_ax, acc_ax = axes[0][col], axes[1][col]
+        for curve, style in _rule_lines(baseline, by_rule, names):
+            pts = [p for p in curve["points"] if p["train_loss"] is not None]
+            loss_ax.plot([p["epoch"] for p in pts], [p["train_loss"] for p in pts], **style)
+            acc_ax.plot([p["epoch"] for p in curve["points"]], [p["test_acc"] for p in curve["points"]], **style)
+        h = next(iter(by_rule.values()))["header"]
+        _log_y(loss_ax)
+        loss_ax.set(ylabel="training loss", title=f"{labels.get(n, '')}\nglobal batch {h['global_batch']} = "
+                    f"{n} × {h['base_batch']}, k = {h['global_batch'] // h['base_batch']}")
+        acc_ax.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1))
+        acc_ax.axhline(0.1, color="0.7", lw=0.8)
+        acc_ax.text(0.02, 0.11, "chance", color="0.5", fontsize=8, transform=acc_ax.get_yaxis_transform())
+        loss_ax.legend(fontsize=8)
+    return fig
+
+
+def running_mean(values, width: int) -> list[float]:
+    """The mean of the last `width` values at each position (fewer at the start)."""
+    if width < 1:
+        raise ValueError(f"width must be at least 1, not {width}")
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - width] if i >= width else 0.0)
+        out.append(total / min(i + 1, width))
+    return out
+
+
+def first_epoch_plot(by_rule: dict, baseline: dict, *, names: dict, label: str = ""):
+    """The first epoch step by step: each step's loss (faint, with a running mean over ~1/32 epoch) and the
+    learning rate each rule used. by_rule, baseline, names: as lr_rules_plot's, for one world size."""
+    fig = Figure(figsize=(11, 3.6), layout="constrained")
+    loss_ax, lr_ax = fig.subplots(1, 2)
+    for curve, style in _rule_lines(baseline, by_rule, names):
+        spe = curve["header"]["steps_per_epoch"]
+        losses = [x for p in curve["points"] for x in p["step_losses"]][:spe]
+        lrs = [x for p in curve["points"] for x in p["lrs"]][:spe]
+        epochs = [(i + 1) / spe for i in range(len(losses))]
+        loss_ax.plot(epochs, losses, color=style["color"], alpha=0.25, lw=0.8)
+        loss_ax.plot(epochs, running_mean(losses, max(2, spe // 32)), color=style["color"], lw=1.5,
+                     label=style["label"])
+        lr_ax.plot(epochs, lrs, color=style["color"], lw=1.5, ls=style.get("ls", "-"), label=style["label"])
+    _log_y(loss_ax)
+    loss_ax.set(xlabel="epoch", ylabel="loss of each step", title=f"first epoch, {label}" if label else "first epoch")
+    lr_ax.set(xlabel="epoch", ylabel="learning rate", title="learning rate of each step")
+    loss_ax.legend(fontsize=8)
+    return fig
+
+
+# --- tensor parallelism (chapter 06) ----------------------------------------------------------------
+
+RANK_COLOURS = plt.get_cmap("tab10").colors
+
+
+def _blocks(ax, x, y, w, h, n, split, label, owner=None):
+    """A matrix at (x, y), w wide and h tall, cut into n blocks along `split` ("cols", "rows" or None).
+
+    Blocks are coloured by the rank that holds them; grey when every rank holds the whole matrix. owner:
+    colour the whole matrix as that rank's (a partial result)."""
+    for i in range(n if split else 1):
+        if split == "cols":
+            rect = (x + i * w / n, y, w / n, h)
+        elif split == "rows":
+            rect = (x, y + (n - 1 - i) * h / n, w, h / n)
+        else:
+            rect = (x, y, w, h)
+        colour = RANK_COLOURS[owner if owner is not None else i] if (split or owner is not None) else "0.85"
+        ax.add_patch(patches.Rectangle(rect[:2], *rect[2:], facecolor=colour, alpha=0.6 if owner is None else 1.0,
+                                       edgecolor="k", lw=1))
+        if split:
+            ax.text(rect[0] + rect[2] / 2, rect[1] + rect[3] / 2, f"{label[0]}{i + 1}", ha="center", va="center",
+                    fontsize=9)
+    ax.text(x + w / 2, y - 0.35, label, ha="center", va="top", fontsize=10)
+
+
+def tp_split_diagram(n: int):
+    """Column- and row-parallel linear layers on n ranks, drawn as block matrices (a diagram, not a run).
+
+    Top: X (whole) · A split by columns = Y split by columns. Bottom: X split by columns · A split by rows =
+    n partial products of Y's full shape, summed by an all-reduce. Blocks are coloured by their rank.
+    """
+    if not 1 <= n <= len(RANK_COLOURS):
+        raise ValueError(f"n must be between 1 and {len(RANK_COLOURS)} ranks (one colour each), not {n}")
+    fig = Figure(figsize=(11, 6.5), layout="tight")
+    top, bottom = fig.subplots(2, 1)
+    m, k, o = 2.0, 3.0, 4.0  # token rows, input features, output features (drawing units)
+    _blocks(top, 0, 0, k, m, n, None, "X  (whole, on every rank)")
+    top.text(k + 0.5, m / 2, "·", fontsize=20, ha="center", va="center")
+    _blocks(top, k + 1, -0.5, o, k, n, "cols", "A = Wᵀ, split by columns")
+    top.text(k + o + 1.5, m / 2, "=", fontsize=16, ha="center", va="center")
+    _blocks(top, k + o + 2, 0, o, m, n, "cols", "Y: rank r holds Y_r")
+    top.annotate("all-gather (only if the\nfull Y is needed)", (k + 2 * o + 2.1, m / 2), fontsize=9, va="center")
+    top.set_title(f"column-parallel linear on {n} ranks: split the output features, no communication to compute")
+    _blocks(bottom, 0, 0, k, m, n, "cols", "X: rank r holds X_r")
+    bottom.text(k + 0.5, m / 2, "·", fontsize=20, ha="center", va="center")
+    _blocks(bottom, k + 1, -0.5, o, k, n, "rows", "A = Wᵀ, split by rows")
+    bottom.text(k + o + 1.5, m / 2, "=", fontsize=16, ha="center", va="center")
+    for r in range(n):  # n partial products, each of Y's full shape
+        _blocks(bottom, k + o + 2 + 0.25 * r, 0.2 * (n - 1 - r), o, m, 1, None, "", owner=r)
+    bottom.text(k + o + 2 + o / 2, -0.35, "partial X_r A_r, full shape, one per rank", ha="center", va="top")
+    bottom.annotate("all-reduce (sum)\n→ Y on every rank,\nthen + b once", (k + 2 * o + 2.2 + 0.25 * n, m / 2),
+                    fontsize=9, va="center")
+    bottom.set_title(f"row-parallel linear on {n} ranks: split the input features, sum the partial outputs")
+    for ax in (top, bottom):
+        ax.set_xlim(-0.3, 2 * o + k + 5.5)
+        ax.set_ylim(-1.3, k)
+        ax.set_aspect("equal")
+        ax.axis("off")
+    return fig
+
+
+def tp_cost_plot(model: dict, *, title: str = ""):
+    """Modelled compute and communication time of one layer per tensor-parallel degree: grouped bars, log y.
+
+    model: {(degree, link): (compute seconds, communication seconds)}, degrees and links in the order to draw;
+    one grey compute bar per degree, then one bar per link. The title should say what was assumed.
+    """
+    if not model:
+        raise ValueError("tp_cost_plot needs {(degree, link): (compute_s, comm_s)}")
+    degrees, links = list(dict.fromkeys(d for d, _ in model)), list(dict.fromkeys(lk for _, lk in model))
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / (len(links) + 1)
+    for i, tp in enumerate(degrees):
+        ax.bar(i, model[tp, links[0]][0] * 1e3, width, color="0.4",
+               label="compute (assumed throughput)" if i == 0 else None)
+        for j, link in enumerate(links, 1):
+            ax.bar(i + j * width, model[tp, link][1] * 1e3, width, color=RANK_COLOURS[j % len(RANK_COLOURS)],
+                   label=f"communication, {link}" if i == 0 else None)
+    ax.set_xticks([i + width * len(links) / 2 for i in range(len(degrees))], [f"TP = {tp}" for tp in degrees])
+    ax.set_yscale("log")
+    ax.set(ylabel="ms per layer (forward + backward)", title=title)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig

@@ -295,3 +295,56 @@ def throughput_efficiency_plot(curves: dict, *, unit: str = "samples/s", log: bo
     fig.legend(handles.values(), handles.keys(), loc="outside lower center", fontsize=8)
     fig.suptitle(title, fontsize=10)
     return fig
+
+
+# --- a run's history and a step's parts ---------------------------------------------------------------
+ATTEMPT_COLOURS = ("tab:red", "tab:blue", "tab:green", "tab:purple")
+
+
+def restart_plot(uninterrupted: list[dict], killed: list[dict], *, kill_at: int, kill_rank: int, label: str = ""):
+    """Loss per step of a job killed and restarted (a line per attempt) over the same job uninterrupted.
+
+    uninterrupted, killed: one rank's records ({"step", "loss"}, and "attempt" in the killed run's), as
+    08_resume.py logs them. A dotted line marks the step before which rank `kill_rank` was killed. Log y.
+    """
+    attempts = sorted({m["attempt"] for m in killed if "attempt" in m and "loss" in m})
+    if not attempts:
+        raise ValueError("restart_plot needs the killed run's records with 'step', 'loss' and 'attempt'")
+    fig, ax = _axes(None, (9, 3.6))
+    steps = [(m["step"], m["loss"]) for m in uninterrupted if "step" in m and "loss" in m]
+    ax.plot([s for s, _ in steps], [v for _, v in steps], color="0.6", lw=5, alpha=0.5, label="uninterrupted")
+    for attempt in attempts:
+        recs = [m for m in killed if m.get("attempt") == attempt and "loss" in m]
+        ax.plot([m["step"] for m in recs], [m["loss"] for m in recs], "o-", ms=3,
+                color=ATTEMPT_COLOURS[attempt % len(ATTEMPT_COLOURS)],
+                label=f"killed run, attempt {attempt}" + (" (restarted)" if attempt else ""))
+    ax.axvline(kill_at, color="tab:red", ls=":", label=f"rank {kill_rank} SIGKILLed before step {kill_at}")
+    ax.set(xlabel="step", ylabel="training loss (mean over ranks)", yscale="log",
+           title="kill and resume" + (f" — {label}" if label else ""))
+    ax.legend(fontsize=8)
+    return fig
+
+
+FRACTION_COLOURS = {"compute": "tab:blue", "exposed": "tab:red", "other": "tab:gray"}
+
+
+def step_fractions_plot(fractions: dict, *, title: str = ""):
+    """One bar per run: the mean profiled step split into compute | exposed comm | other, as fractions of it.
+
+    fractions: {run name: RunAnalysis.fractions()} ({"step_ms", "compute", "exposed", "other", "comm"});
+    each bar is annotated with its step time and the share of the step that communicated.
+    """
+    if not fractions:
+        raise ValueError("step_fractions_plot needs {run name: analysis.fractions()}")
+    fig, ax = _axes(None, (8, 1.4 + 0.55 * len(fractions)))
+    for i, f in enumerate(fractions.values()):
+        left = 0
+        for part, colour in FRACTION_COLOURS.items():
+            ax.barh(i, f[part], left=left, color=colour, label=part if i == 0 else None)
+            left += f[part]
+        ax.text(1.01, i, f"{f['step_ms']:.0f} ms/step, comm {f['comm']:.0%} of step", va="center", fontsize=8)
+    ax.set_yticks(range(len(fractions)), list(fractions))
+    ax.invert_yaxis()  # the first run on top, in the order the runs are printed
+    ax.set(xlim=(0, 1), xlabel="fraction of a profiled step (mean over ranks)", title=title)
+    fig.legend(loc="outside lower center", fontsize=8, ncols=3)  # below: above the bars it covered the title
+    return fig

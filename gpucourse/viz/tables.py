@@ -12,9 +12,20 @@ from ..models import costs
 from ..models.units import human_bytes
 
 
-def frame(rows: list[dict], index: str | None = None) -> pd.DataFrame:
-    """A DataFrame of rows (dicts), indexed by the column `index` if given."""
+BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def frame(rows: list[dict], index: str | None = None, *, bytes_columns=()) -> pd.DataFrame:
+    """A DataFrame of rows (dicts), indexed by the column `index` if given; each of `bytes_columns` (counts of
+    bytes) shown in one binary unit for the whole column, named in its header: "sent" -> "sent (MiB)"."""
     df = pd.DataFrame(rows)
+    for column in bytes_columns:
+        largest = df[column].abs().max() if len(df) else 0
+        power = 0
+        while power < len(BINARY_UNITS) - 1 and largest >= 1024 ** (power + 1):
+            power += 1
+        df[column] = (df[column] / 1024**power).round(2 if power else 0)
+        df = df.rename(columns={column: f"{column} ({BINARY_UNITS[power]})"})
     return df.set_index(index) if index else df
 
 

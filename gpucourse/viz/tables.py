@@ -1,5 +1,5 @@
 """The tables a chapter shows, as pandas DataFrames: rendered as real HTML tables in JupyterLab (nothing wraps
-mid-word), units in the column headers, built from a run's records.
+mid-word, no cell's text cut short), units in the column headers, built from a run's records.
 
     from gpucourse.viz import tables
     tables.bandwidth(rows)                     # chapter 01: time and busbw per op and size
@@ -9,6 +9,9 @@ from __future__ import annotations
 import pandas as pd
 
 from ..models import costs
+
+# A chapter's table shows each cell whole (pandas cuts text at 50 characters by default); HTML wraps it.
+pd.set_option("display.max_colwidth", None)
 from ..models.units import human_bytes
 
 

@@ -19,7 +19,7 @@ if "ipykernel" not in sys.modules:  # scripts and tests: no display, and no GUI 
     matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from matplotlib import colors, lines, patches, ticker, transforms  # noqa: E402
+from matplotlib import colors, patches, ticker, transforms  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
@@ -697,8 +697,8 @@ def moe_tokens_per_expert(panels: dict, capacity_total: int, uniform: float, lab
     axes[0][0].set_ylabel("assignments (all ranks)")
     handles = [patches.Patch(color="tab:blue", label="at most every rank's capacity"),
                patches.Patch(color="tab:red", label="more than every rank's capacity: drops for sure"),
-               lines.Line2D([], [], color="k", ls="--", label=f"capacity x ranks = {capacity_total}"),
-               lines.Line2D([], [], color="0.5", ls=":", label=f"uniform share = {uniform:g}")]
+               Line2D([], [], color="k", ls="--", label=f"capacity x ranks = {capacity_total}"),
+               Line2D([], [], color="0.5", ls=":", label=f"uniform share = {uniform:g}")]
     fig.legend(handles=handles, loc="lower center", ncols=2, fontsize=8, bbox_to_anchor=(0.5, 0.0))
     fig.suptitle(f"{title} ({label})" if title else label, fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 1))

@@ -711,6 +711,61 @@ def test_expert_parallel_bytes_scale_with_the_kept_fraction_not_the_experts():
     assert costs.expert_parallel_all_to_all_bytes(1024, 2, 4096, 1) == 0.0  # one rank sends nothing
 
 
+def test_moe_flops_count_the_active_experts_by_hand():
+    """hidden 4, ffn 8, 4 routed experts (top 2) and 1 shared: each expert 4x8 + 8x4 = 64 weights, the router
+    4x4 = 16. A token runs the router, 2 routed and the shared expert: 16 + 3 x 64 = 208 weights; all of them:
+    16 + 5 x 64 = 336. Two FLOPs per weight forward, six with backward."""
+    assert costs.moe_params(4, 8, 4, 2, shared=1) == {"total": 336, "active": 208}
+    assert costs.moe_flops_per_token(4, 8, 4, 2, shared=1) == {"total": 6 * 336, "active": 6 * 208}
+    assert costs.moe_flops_per_token(4, 8, 4, 2, shared=1, training=False)["active"] == 2 * 208
+
+
+def test_fine_grained_experts_keep_active_and_total_parameters():
+    """DeepSeekMoE's segmentation: m x E experts of ffn / m, top m x k: the same work, more combinations. The
+    router grows with the number of experts (hidden x E)."""
+    coarse, fine = costs.moe_params(32, 64, 8, 2), costs.moe_params(32, 16, 32, 8)
+    assert fine["total"] - 32 * 32 == coarse["total"] - 32 * 8
+    assert fine["active"] - 32 * 32 == coarse["active"] - 32 * 8
+
+
+def test_moe_flops_match_what_flopcountermode_counts_for_the_experts_a_token_runs():
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, ffn, experts, k, shared = 8, 16, 4, 2, 1
+    router = torch.nn.Linear(hidden, experts, bias=False)
+    mlps = [torch.nn.Sequential(torch.nn.Linear(hidden, ffn), torch.nn.GELU(), torch.nn.Linear(ffn, hidden))
+            for _ in range(experts + shared)]
+    x = torch.randn(1, hidden)
+    with FlopCounterMode(display=False) as counter:
+        ids = router(x).topk(k).indices[0].tolist()
+        sum(mlps[e](x) for e in ids + list(range(experts, experts + shared)))
+    want = costs.moe_flops_per_token(hidden, ffn, experts, k, shared=shared, training=False)["active"]
+    assert counter.get_total_flops() == want
+
+
+@pytest.mark.parametrize("compute, a2a, chunks, time", [
+    (4.0, 1.0, 1, 6.0),   # nothing overlaps: dispatch, experts, combine
+    (4.0, 1.0, 2, 5.0),   # D1 .5 | D2, X1 .5-2.5 | C1 2.5-3, X2 2.5-4.5 | C2 4.5-5: c + 2a/m
+    (2.0, 1.0, 4, 2.5),   # c = 2a exactly: still hidden, c + 2a/m
+    (1.0, 2.0, 2, 4.0),   # communication-bound: D1 0-1, D2 1-2, X1 1-1.5, C1 2-3, X2 2-2.5, C2 3-4
+])
+def test_moe_overlap_time_follows_the_two_stream_schedule_by_hand(compute, a2a, chunks, time):
+    got = costs.moe_overlap_time(compute, a2a, chunks)
+    assert got["time"] == pytest.approx(time)
+    assert got["exposed_s"] == pytest.approx(time - compute)
+    assert got["hidden"] is (compute >= 2 * a2a and chunks > 1)
+
+
+def test_moe_overlap_hides_the_all_to_all_only_when_compute_covers_twice_it():
+    for chunks in (2, 4, 8):
+        assert costs.moe_overlap_time(2.0, 1.0, chunks)["hidden"]
+    for chunks in (4, 8, 16):  # communication-bound: it falls behind once the pipeline is long enough
+        assert not costs.moe_overlap_time(1.9, 1.0, chunks)["hidden"]
+    assert not costs.moe_overlap_time(3.0, 1.0, 1)["hidden"]  # one chunk: nothing overlaps
+    assert costs.moe_overlap_time(3.0, 1.0, 8)["exposed_s"] == pytest.approx(2 / 8)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: costs.moe_capacity(0, 2, 8, 1.25), "tokens"),
     (lambda: costs.moe_capacity(64, 9, 8, 1.25), "top_k"),
@@ -718,6 +773,10 @@ def test_expert_parallel_bytes_scale_with_the_kept_fraction_not_the_experts():
     (lambda: costs.expert_parallel_all_to_all_bytes(64, 2, 32, 0), r"\bn\b"),
     (lambda: costs.expert_parallel_all_to_all_bytes(64, 2, 32, 4, kept_fraction=1.5), "kept_fraction"),
     (lambda: costs.expert_parallel_all_to_all_bytes(-1, 2, 32, 4), "tokens"),
+    (lambda: costs.moe_params(32, 64, 8, 2, shared=-1), "shared"),
+    (lambda: costs.moe_flops_per_token(32, 0, 8, 2), "ffn"),
+    (lambda: costs.moe_overlap_time(1.0, 1.0, 0), "chunks"),
+    (lambda: costs.moe_overlap_time(-1.0, 1.0, 2), "compute_s"),
 ])
 def test_moe_costs_reject_bad_input_naming_the_argument(call, match):
     with pytest.raises(ValueError, match=match):

@@ -7,7 +7,7 @@ import torch
 
 from gpucourse import exercises
 
-from .conftest import ROOT
+from .conftest import RUNS_ENV, ROOT
 
 EXPERTS, TOKENS, TOP_K = 8, 64, 2
 
@@ -78,3 +78,87 @@ def test_rules_agree_with_top_1_and_without_capacity(moe, layers):
     assert moe.kept_mask(layer, ids, None, "choice").all()
     with pytest.raises(ValueError, match="priority"):
         moe.kept_mask(layer, ids, 4, "random")
+
+
+# --- the frontier modes, run for real: one launch of 4 gloo ranks shared by the tests below --------------
+WORLD, SMOKE = 4, {"tokens": 16, "hidden": 8, "ffn": 16, "experts": 8, "top_k": 2}
+FINE, SHARED, TOL = 2, 1, 1e-5
+
+
+@pytest.fixture(scope="module")
+def frontier(tmp_path_factory):
+    """{case: {rank: [records]}} of one launch: --mode check router balance dropless, with one shared expert
+    and every expert split two ways (16 experts of ffn 8, top 4), a skewed router at capacity factor 1.0."""
+    import gpucourse
+
+    sizes = [f"--{k.replace('_', '-')}={v}" for k, v in SMOKE.items()]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(RUNS_ENV, str(tmp_path_factory.mktemp("runs")))
+        result = gpucourse.launch(ROOT / "scripts" / "11_moe.py", nproc=WORLD, timeout=240, live=False,
+                                  env={"OMP_NUM_THREADS": "1"},
+                                  args=["--impl", exercises.solution_files()["ex11_expert_parallel"], *sizes,
+                                        "--mode", "check", "router", "balance", "dropless", "--router", "skewed",
+                                        "--capacity-factor", "1.0", "--shared", str(SHARED), "--fine", str(FINE),
+                                        "--steps", "40"])
+    assert result.ok, result.error
+    out: dict = {}
+    for rank, recs in result.metrics.items():
+        for rec in recs:
+            if "case" in rec:
+                out.setdefault(rec["case"], {}).setdefault(rank, []).append(rec)
+    return out
+
+
+def test_shared_and_fine_grained_experts_equal_one_process(frontier):
+    experts, top_k = SMOKE["experts"] * FINE, SMOKE["top_k"] * FINE
+    for rank, (rec,) in frontier["check"].items():
+        assert set(rec["diffs"]) >= {"output", "shared grads", "experts' grads", "router.grad"}
+        assert max(rec["diffs"].values()) <= TOL, (rank, rec["diffs"])
+        assert len(rec["tokens_per_expert"]) == experts and sum(rec["tokens_per_expert"]) == SMOKE["tokens"] * top_k
+
+
+def test_an_fp32_router_keeps_the_gating_weights_while_bf16s_error_grows_with_the_logits(frontier):
+    recs = [rec for recs in frontier["router"].values() for rec in recs]
+    scales = sorted({rec["scale"] for rec in recs})
+    worst = {(s, d): max(r["weight_rel_err"] for r in recs if r["scale"] == s and r["router_dtype"] == d)
+             for s in scales for d in ("bfloat16", "float32")}
+    z = [max(r["z_loss"] for r in recs if r["scale"] == s) for s in scales]
+    assert all(worst[s, "float32"] < 1e-4 for s in scales)
+    assert [worst[s, "bfloat16"] for s in scales] == sorted(worst[s, "bfloat16"] for s in scales)
+    assert worst[scales[-1], "bfloat16"] > 100 * worst[scales[-1], "float32"] and z == sorted(z)
+
+
+def test_both_balancing_methods_spread_a_skewed_router_and_only_the_bias_method_keeps_a_bias(frontier):
+    recs = {rec["method"]: rec for rec in frontier["balance"][0]}
+    assert all(rec["max_over_mean"] == recs[m]["max_over_mean"] for rank in frontier["balance"].values()
+               for rec in rank for m in [rec["method"]])  # the load is the whole batch's: the same on every rank
+    late = {m: sum(r["max_over_mean"][-10:]) / 10 for m, r in recs.items()}
+    assert late["switch"] < late["none"] and late["bias"] < late["none"], late
+    assert max(recs["none"]["select_bias_range"] + recs["switch"]["select_bias_range"]) == 0
+    assert recs["bias"]["select_bias_range"][-1] > 0
+
+
+def test_padding_computes_capacity_rows_and_drops_while_dropless_computes_every_assignment(frontier):
+    import math
+
+    from gpucourse import costs
+
+    h, ffn, experts, top_k = SMOKE["hidden"], SMOKE["ffn"] // FINE, SMOKE["experts"] * FINE, SMOKE["top_k"] * FINE
+    tokens = SMOKE["tokens"]
+    per_token = costs.moe_flops_per_token(h, ffn, experts, top_k, shared=SHARED, training=False)["active"]
+    recs = {layer: {rank: next(r for r in rs if r["layer"] == layer) for rank, rs in frontier["dropless"].items()}
+            for layer in ("padded", "dropless")}
+    for layer, by_rank in recs.items():
+        assert all(max(r["diffs"].values()) <= TOL for r in by_rank.values()), layer
+    dropless, padded = recs["dropless"], recs["padded"]
+    assert all(r["dropped"] == 0 for r in dropless.values())
+    assert sum(r["flops"] for r in dropless.values()) == WORLD * tokens * per_token  # active parameters, exactly
+    capacity = padded[0]["capacity"]
+    assert capacity == math.ceil(tokens * top_k / experts)
+    assert sum(r["dropped"] for r in padded.values()) > 0
+    assert all(r["dropped"] == r["dropped_single"] for r in padded.values())
+    rows = experts * capacity  # every rank computes WORLD x capacity rows for each of its experts/WORLD
+    router_and_shared = 2 * tokens * (h * experts + SHARED * 2 * h * ffn)
+    assert all(r["flops"] == rows * 2 * 2 * h * ffn + router_and_shared for r in padded.values())
+    sent = (WORLD - 1) * (experts // WORLD) * capacity * h * 4  # equal splits: padding travels too
+    assert all([c["bytes"] for c in r["forward_calls"]] == [sent, sent] for r in padded.values())

@@ -93,6 +93,16 @@ def test_lines_that_matter_are_the_scripts_own(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_imports_cell_turns_on_inline_figures(path):
+    """The package's charts are Figures built without pyplot: a kernel shows them as '<Figure size ...>' text
+    until the inline backend is on. The first code cell after the parameters turns it on."""
+    cells = nbformat.read(path, as_version=4).cells
+    params = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+    imports = next(c for c in cells[params + 1:] if c.cell_type == "code")
+    assert imports.source.startswith("%matplotlib inline\n"), f"{path.name}: start its imports cell with it"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_has_parameters_cell_and_smoke_values(path):
     nb = nbformat.read(path, as_version=4)
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]

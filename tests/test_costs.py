@@ -25,6 +25,7 @@ from gpucourse.models.costs import (
     dualpipev_bubble,
     pipeline_bubble_fraction,
     pipeline_bubble_ratio,
+    pipeline_order_from_torch,
     pipeline_peak_activations,
     pipeline_stage_costs,
     scaling_efficiency,
@@ -303,9 +304,16 @@ def test_dualpipev_order_has_deepseek_s_bubble_and_holds_2p_plus_1_chunks():
     assert pipeline_peak_activations(2, 4, 2, 0, "DualPipeV") == 5  # counted by hand from DUALPIPEV_P2_M4, rank 0
 
 
+def test_pipeline_order_from_torch_keeps_compute_and_pairs():
+    order = ["0F0", "3I0", "(0F3;3B1)OVERLAP_F_B", "0SEND_F0", "0REDUCE_GRAD", "3W0"]
+    assert pipeline_order_from_torch(order) == ["0F0", "3I0", ("0F3", "3B1"), "3W0"]
+    assert pipeline_order_from_torch(order, blocks=False) == ["0F0", "3I0", "0F3", "3B1", "3W0"]
+
+
 def test_pipeline_peak_activations_1f1b_and_interleaved():
     assert [pipeline_peak_activations(4, 8, rank=r) for r in range(4)] == [4, 3, 2, 1]
     assert pipeline_peak_activations(4, 2) == 2  # m < p: all of them
+    assert pipeline_peak_activations(4, 6, schedule="GPipe") == 6
     # interleaved, p = 2, v = 2, m = 4: rank 0 runs (2-1)*2 + 2*1 = 4 warm-up forwards, then one more: 5 chunks
     assert [pipeline_peak_activations(2, 4, 2, r, "Interleaved1F1B") for r in (0, 1)] == [5, 3]
     assert pipeline_peak_activations(2, 1, 2, 0, "Interleaved1F1B") == 2  # m * v caps it
@@ -327,7 +335,7 @@ def test_pipeline_stage_costs_put_embeddings_first_and_the_head_last():
     (lambda: dualpipev_bubble(2, 1, 1, 2), "weight"),
     (lambda: pipeline_peak_activations(2, 4, rank=2), "rank"),
     (lambda: pipeline_peak_activations(2, 3, 2, schedule="DualPipeV"), "m >= 2p"),
-    (lambda: pipeline_peak_activations(2, 4, 2, schedule="GPipe"), "schedule"),
+    (lambda: pipeline_peak_activations(2, 4, 2, schedule="ZBVZeroBubble"), "schedule"),
     (lambda: pipeline_stage_costs([], 8, 10, 4), "layers_per_stage"),
     (lambda: simulate_pipeline({0: [()]}, UNIT), "empty block"),
 ])

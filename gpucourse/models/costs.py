@@ -404,6 +404,24 @@ def simulate_pipeline(orders, durations):
     return out
 
 
+def pipeline_order_from_torch(order, blocks=True):
+    """A rank's plan in torch.distributed.pipelining's notation as simulate_pipeline takes it.
+
+    order: e.g. ["0F0", "(0F3;3B1)OVERLAP_F_B", "0REDUCE_GRAD"] (str of torch's _Action). Compute actions are kept;
+    an overlapped pair becomes a tuple (one block) or, with blocks=False, its actions one after the other; the
+    rest (communication, REDUCE_GRAD, ...) is left out.
+    """
+    out = []
+    for action in order:
+        if str(action).endswith("OVERLAP_F_B"):
+            pair = tuple(re.findall(r"\d+[FBIW]\d+", str(action)))
+            _require(len(pair) >= 2, f"{action!r}: an OVERLAP_F_B with fewer than two compute actions")
+            out.extend([pair] if blocks else pair)
+        elif _PIPE_ACTION.fullmatch(str(action)):
+            out.append(str(action))
+    return out
+
+
 def dualpipev_bubble(ranks, forward, backward, weight, overlapped=None):
     """Idle time per rank of DualPipeV on `ranks` ranks (2 * ranks stages): (ranks - 1)(F&B + B - 3W).
 
@@ -426,7 +444,8 @@ def dualpipev_bubble(ranks, forward, backward, weight, overlapped=None):
 def pipeline_peak_activations(p, m, v=1, rank=0, schedule="1F1B"):
     """Most chunks whose activations one rank holds at once (a chunk: one micro-batch through one of its stages).
 
-    "1F1B" (v = 1): min(p - rank, m), the warm-up forwards plus the one before the first backward.
+    "GPipe" (v = 1): m, every forward before any backward. "1F1B" (v = 1): min(p - rank, m), the warm-up forwards
+    plus the one before the first backward.
     "Interleaved1F1B" (v >= 2 stages per rank), as torch 2.13 and Megatron-LM order it: (v - 1) * k + 2(p - 1 -
     rank) warm-up forwards plus one, at most all m * v chunks, where k = m / max(1, m // p) micro-batches per
     round (k = p when p divides m). On rank 0 with p | m that is v*p + p - 1 chunks of 1/v of the rank's layers:
@@ -437,16 +456,16 @@ def pipeline_peak_activations(p, m, v=1, rank=0, schedule="1F1B"):
     _require(m >= 1, f"m (micro-batches) must be >= 1, got {m}")
     _require(v >= 1, f"v (stages per rank) must be >= 1, got {v}")
     _require(0 <= rank < p, f"rank must be in [0, {p}), got {rank}")
-    if schedule == "1F1B":
-        _require(v == 1, f"1F1B has one stage per rank: v must be 1, got {v}")
-        return min(p - rank, m)
+    if schedule in ("GPipe", "1F1B"):
+        _require(v == 1, f"{schedule} has one stage per rank: v must be 1, got {v}")
+        return m if schedule == "GPipe" else min(p - rank, m)
     if schedule == "Interleaved1F1B":
         per_round = m // max(1, m // p)
         return min((v - 1) * per_round + 2 * (p - 1 - rank) + 1, m * v)
     if schedule == "DualPipeV":
         _require(v == 2 and m >= 2 * p, f"DualPipeV needs v = 2 and m >= 2p micro-batches, got v={v}, m={m}, p={p}")
         return 2 * p + 1
-    raise ValueError(f"schedule must be '1F1B', 'Interleaved1F1B' or 'DualPipeV', got {schedule!r}")
+    raise ValueError(f"schedule must be 'GPipe', '1F1B', 'Interleaved1F1B' or 'DualPipeV', got {schedule!r}")
 
 
 def pipeline_stage_costs(layers_per_stage, d_model, vocab, seq_len):

@@ -245,6 +245,25 @@ def load_trace(path: str | Path) -> dict:
     return data
 
 
+_COMPUTE_SPAN = re.compile(r"compute (\d+[FBIW]\d+)")
+
+
+def pipeline_compute_spans(paths_by_rank: dict, *, start_marker: str = "sync-start") -> dict[int, list]:
+    """{rank: [(action, start_ms, end_ms)]}: the spans named "compute <stage><F|B|I|W><micro-batch>" of each rank's
+    trace (chapter 05's TimedStage), in ms from the end of the rank's last `start_marker` span (the barrier that
+    starts the profiled step), sorted by start."""
+    out = {}
+    for rank, path in paths_by_rank.items():
+        spans = _spans(load_trace(path)["traceEvents"])
+        starts = [sp["end"] for sp in spans if sp["name"] == start_marker]
+        if not starts:
+            raise TraceError(f"{path} has no {start_marker!r} span: was it written by chapter 05's schedules script?")
+        t0 = max(starts)
+        out[rank] = sorted(((m[1], (sp["ts"] - t0) / 1e3, (sp["end"] - t0) / 1e3) for sp in spans
+                            if (m := _COMPUTE_SPAN.fullmatch(sp["name"])) and sp["ts"] >= t0), key=lambda a: a[1])
+    return out
+
+
 def _spans(events) -> list[dict]:
     """Complete ('X') events with a duration, each with its end time precomputed."""
     out = []

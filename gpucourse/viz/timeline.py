@@ -16,6 +16,7 @@ and world size, so a saved PNG says what it shows.
 from __future__ import annotations
 
 import math
+import re
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -208,4 +209,49 @@ def throughput_efficiency_plot(curves: dict, *, unit: str = "samples/s", log: bo
             handles.setdefault(name, handle)
     fig.legend(handles.values(), handles.keys(), loc="outside lower center", fontsize=8)
     fig.suptitle(title, fontsize=10)
+    return fig
+
+
+PIPELINE_COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
+
+
+def pipeline_action_plot(panels: dict, *, label: str = "", span_ms: float | None = None):
+    """One panel per timeline, one row per rank, one bar per pipeline action (chapter 05's schedules).
+
+    panels: {title: {rank: [(action, start_ms, end_ms)]}}, actions "<stage><F|B|I|W><micro-batch>" as
+    traces.pipeline_compute_spans reads them from a run or costs.simulate_pipeline replays them. Actions that
+    share a start and an end (an overlapped block, e.g. DualPipe's F&B) split their row's height. A rank's later
+    stage is drawn lighter. label: the run's device, backend and world size (plots.run_label), in the title.
+    """
+    if not panels:
+        raise ValueError("panels is empty: pass {title: {rank: [(action, start_ms, end_ms)]}}")
+    span = span_ms or max((end for tl in panels.values() for acts in tl.values() for _, _, end in acts), default=1.0)
+    ranks = max(len(tl) for tl in panels.values())
+    fig = Figure(figsize=(12, 0.9 + (0.45 * ranks + 0.7) * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, tl) in zip(axes, panels.items()):
+        for rank, acts in tl.items():
+            stages = sorted({int(re.match(r"\d+", a)[0]) for a, _, _ in acts})
+            together = {}
+            for action, start, end in acts:
+                together.setdefault((start, end), []).append(action)
+            for (start, end), group in together.items():
+                height = 0.8 / len(group)
+                for k, action in enumerate(group):
+                    stage, kind = re.match(r"(\d+)([FBIW])", action).groups()
+                    shade = 1.0 - 0.45 * stages.index(int(stage)) / max(1, len(stages) - 1)
+                    bottom = rank - 0.4 + k * height
+                    ax.broken_barh([(start, end - start)], (bottom, height), facecolor=PIPELINE_COLORS[kind],
+                                   alpha=shade, edgecolor="white")
+                    if end - start > span / 45:
+                        ax.text((start + end) / 2, bottom + height / 2, action, ha="center", va="center",
+                                color="white", fontsize=6)
+        ax.set_yticks(list(tl), [f"rank {r}" for r in tl])
+        ax.set_ylim(ranks - 0.5, -0.5)
+        ax.set_title(title, fontsize=8)
+    axes[-1].set_xlabel("time since the step started (ms)")
+    axes[0].legend(handles=[Patch(color=c, label=k) for k, c in PIPELINE_COLORS.items()], loc="upper left",
+                   bbox_to_anchor=(1.0, 1.0), fontsize=8, title="lighter: a rank's\nlater stage", title_fontsize=7)
+    if label:
+        fig.suptitle(label, fontsize=9)
     return fig

@@ -1,7 +1,7 @@
 """Chapter 05: PyTorch's pipeline schedules (1F1B, interleaved 1F1B, zero bubble, DualPipeV) on one model, against
 the unsplit one.
 
-    05_schedules.py --schedules 1F1B Interleaved1F1B InterleavedZeroBubble ZBVZeroBubble DualPipeV --micro 1 4 --virtual 2
+    05_schedules.py --schedules 1F1B Interleaved1F1B InterleavedZeroBubble ZBVZeroBubble DualPipeV --micro 1 4
 
 One model of p·v·L Linear+Tanh blocks in float64, the same on every rank (same seed), cut into stages:
 - single-stage schedules (GPipe, 1F1B): p stages of v·L blocks, stage r on rank r;

@@ -21,8 +21,8 @@ accumulation with and without gradient sync.
       no-reshard  no-sync, plus set_reshard_after_backward(False) on the first K-1: the gathered parameters stay
                   unsharded between micro-batches, so the next forward needs no all-gather
     In float64. Logged per variant: every collective of the last step (op, bytes), the global loss of every step, and
-    the first Linear's weight as FSDP2 holds it (global and local shape, placements). Asserted: losses and final parameters
-    equal a one-process run on the whole batch.
+    the first Linear's weight as FSDP2 holds it (global and local shape, placements). Asserted: losses and final
+    parameters equal a one-process run on the whole batch.
 """
 import argparse
 import contextlib
@@ -172,6 +172,18 @@ def run_prefetch(variant: str, args, ctx, counter: CommCounter, record: bool = T
     return full(model.parameters())
 
 
+def check_against_one_process(variant, losses, params, reference) -> float:
+    """Assert the losses and final parameters equal one process's on the whole batch; return the largest difference."""
+    ref_losses, ref_params = reference
+    final = full(params)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7,
+                               msg=lambda m: f"{variant}: losses differ from one process on the whole batch: {m}")
+    for got, want in zip(final, ref_params):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{variant}: parameters differ from one process: {m}")
+    return max((a - b).abs().max().item() for a, b in zip(final, ref_params))
+
+
 # --- HSDP against FSDP and DDP ------------------------------------------------------------------------------
 def build(variant: str, args, ctx):
     """(model, the mesh's groups as {name: ranks of this rank's group})."""
@@ -216,16 +228,11 @@ def run_hsdp(variant: str, args, ctx, counter: CommCounter, reference) -> None:
     for c in calls:
         c["group"] = names.get(c["ranks"], "world" if len(c["ranks"]) == ctx.world_size else "other")
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    ref_losses, ref_params = reference
-    final = full(params)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7,
-                               msg=lambda m: f"{variant}: losses differ from one process on the whole batch: {m}")
-    for got, want in zip(final, ref_params):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{variant}: parameters differ from one process: {m}")
+    ref_losses = reference[0]
+    diff = check_against_one_process(variant, losses, params, reference)
     runtime.log(mode="hsdp", variant=variant, groups={k: list(v) for k, v in groups.items()}, losses=losses,
-                ref_losses=ref_losses, max_param_diff=max((a - b).abs().max().item() for a, b in zip(final, ref_params)),
-                params=sum(nbytes(p) for p in params), grads=sum(nbytes(p.grad) for p in params),
+                ref_losses=ref_losses, max_param_diff=diff, params=sum(nbytes(p) for p in params),
+                grads=sum(nbytes(p.grad) for p in params),
                 optimizer=sum(nbytes(t) for t in state if t.dim() > 0), step_counters=sum(nbytes(t) for t in state
                                                                                           if t.dim() == 0),
                 num_params=sum(p.numel() for p in make_model(args.width, args.depth).parameters()),
@@ -268,15 +275,10 @@ def run_accumulate(variant: str, args, ctx, counter: CommCounter, reference) -> 
         dist.all_reduce(total)  # the mean over ranks of equal slices is the whole batch's loss
         losses.append(total.item() / ctx.world_size)
     calls = counter.take()
-    ref_losses, ref_params = reference
-    final = full(params)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7,
-                               msg=lambda m: f"{variant}: losses differ from one process on the whole batch: {m}")
-    for got, want in zip(final, ref_params):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{variant}: parameters differ from one process: {m}")
+    ref_losses = reference[0]
+    diff = check_against_one_process(variant, losses, params, reference)
     runtime.log(mode="accumulate", variant=variant, micro=args.micro, losses=losses, ref_losses=ref_losses,
-                max_param_diff=max((a - b).abs().max().item() for a, b in zip(final, ref_params)),
+                max_param_diff=diff,
                 param_bytes=sum(p.numel() * p.element_size() for p in make_model(args.width, args.depth).parameters()),
                 calls=[{"op": c["op"], "bytes": c["bytes"]} for c in calls], shard=shard)
 

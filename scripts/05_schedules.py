@@ -1,19 +1,25 @@
-"""Chapter 05: PyTorch's pipeline schedules (1F1B, interleaved 1F1B, zero bubble) on one model, against the unsplit one.
+"""Chapter 05: PyTorch's pipeline schedules (1F1B, interleaved 1F1B, zero bubble, DualPipeV) on one model, against
+the unsplit one.
 
-    05_schedules.py --schedules 1F1B Interleaved1F1B InterleavedZeroBubble ZBVZeroBubble --micro 1 4 --virtual 2
+    05_schedules.py --schedules 1F1B Interleaved1F1B InterleavedZeroBubble ZBVZeroBubble DualPipeV --micro 1 4
 
 One model of p·v·L Linear+Tanh blocks in float64, the same on every rank (same seed), cut into stages:
 - single-stage schedules (GPipe, 1F1B): p stages of v·L blocks, stage r on rank r;
 - interleaved schedules (Interleaved1F1B, InterleavedZeroBubble): p·v stages of L blocks, stage s on rank s mod p
   ("loop" placement: rank 0 holds stages 0, p, 2p, ...);
-- ZBVZeroBubble: exactly 2 stages per rank in a "V": rank r holds stages r and 2p-1-r, so rank 0 holds the
-  first and the last stage.
+- ZBVZeroBubble and DualPipeV: exactly 2 stages per rank in a "V": rank r holds stages r and 2p-1-r, so rank 0
+  holds the first and the last stage.
 
 Every stage is a TimedStage: PyTorch's PipelineStage whose compute (a forward F, a full backward B, or the
 zero-bubble split of the backward into its input-gradient part I and weight-gradient part W) is a
 record_function span named "compute <stage><F|B|I|W><micro-batch>", plus a fixed sleep of known length so that
 the bubble can be measured on a loaded machine: per micro-batch, each rank's forwards sleep --work-ms in all,
 its backwards twice that, split evenly between I and W, whatever the schedule and v.
+
+Each rank also counts, in the last step, the activations its stages hold: the bytes autograd saves in each forward
+chunk (parameters excluded), alive from that forward until the chunk's backward has finished (its full backward B,
+or its W for a split one), and the most chunks and bytes alive at once. It logs the order of compute actions the
+schedule planned for it (torch's own notation, e.g. "(0F3;3B1)OVERLAP_F_B" for DualPipeV's forward-backward pairs).
 
 For every (schedule, m) it runs --steps steps and profiles the last (traces/<schedule>-m<m>-rank<r>.json), then
 checks the loss (on the rank holding the last stage) and every local stage's gradients against the unsplit
@@ -38,7 +44,8 @@ from gpucourse import runtime
 # 1/m scale or a lost micro-batch changes gradients by their own size, 1e-4 or more here).
 TOL = 1e-10
 # The schedules this script places stages for (get_schedule_class knows more: LoopedBFS, DualPipeV, ...).
-SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+V_SHAPED = {"ZBVZeroBubble", "DualPipeV"}  # 2 stages per rank: r and 2p-1-r
 
 
 def make_model(n_blocks: int, width: int) -> nn.Sequential:
@@ -51,9 +58,38 @@ def stages_of(name: str, rank: int, p: int, v: int) -> list[int]:
     """The stage indices rank `rank` holds under schedule `name`, and so how many stages the model is cut into."""
     if issubclass(get_schedule_class(name), PipelineScheduleSingle):
         return [rank]                                  # p stages, one per rank
-    if name == "ZBVZeroBubble":
+    if name in V_SHAPED:
         return [rank, 2 * p - 1 - rank]                # the "V": down the ranks, then back up
     return [rank + k * p for k in range(v)]            # "loop": p·v stages, round robin
+
+
+class Held:
+    """The activations one rank's stages hold: saved bytes per (stage, chunk), from its forward to its backward."""
+
+    def __init__(self, params):
+        self.params = {q.untyped_storage().data_ptr() for q in params}
+        self.reset()
+
+    def reset(self):
+        self.alive, self.chunk_bytes, self.peak_chunks, self.peak_bytes = {}, {}, 0, 0
+
+    def forward(self, key):
+        """Context for one forward chunk: counts what autograd saves (not parameters: they are held anyway)."""
+        self.alive[key] = 0
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in self.params:
+                self.alive[key] += t.numel() * t.element_size()
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def forward_done(self, key):
+        self.chunk_bytes[key] = self.alive[key]
+        self.peak_chunks = max(self.peak_chunks, len(self.alive))
+        self.peak_bytes = max(self.peak_bytes, sum(self.alive.values()))
+
+    def backward_done(self, key):
+        self.alive.pop(key, None)
 
 
 class TimedStage(PipelineStage):
@@ -63,14 +99,17 @@ class TimedStage(PipelineStage):
     spans hold compute only: the gaps between them are the stage's idle time (bubble and communication).
     """
 
-    def __init__(self, *args, forward_s: float, **kwargs):
+    def __init__(self, *args, forward_s: float, held: Held, **kwargs):
         super().__init__(*args, **kwargs)
         self.forward_s = forward_s  # a backward costs twice a forward: I and W once each
+        self.held = held
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-        with record_function(f"compute {self.stage_index}F{fwd_chunk_id}"):
+        key = (self.stage_index, fwd_chunk_id)
+        with record_function(f"compute {self.stage_index}F{fwd_chunk_id}"), self.held.forward(key):
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             time.sleep(self.forward_s)
+        self.held.forward_done(key)
         return out
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
@@ -79,12 +118,15 @@ class TimedStage(PipelineStage):
             out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                              last_backward=last_backward)
             time.sleep(self.forward_s * (2 if full_backward else 1))
+        if full_backward:
+            self.held.backward_done((self.stage_index, bwd_chunk_id))
         return out
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         with record_function(f"compute {self.stage_index}W{bwd_chunk_id}"):
             out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
             time.sleep(self.forward_s)
+        self.held.backward_done((self.stage_index, bwd_chunk_id))
         return out
 
 
@@ -95,7 +137,8 @@ def run(name, full, ctx, args, m, x, y):
     n_stages = p * len(indices)
     per_stage = len(full) // n_stages
     mods = {s: copy.deepcopy(full[s * per_stage:(s + 1) * per_stage]) for s in indices}
-    stages = [TimedStage(mods[s], s, n_stages, ctx.device, forward_s=args.work_ms / 1e3 / len(indices))
+    held = Held([q for mod in mods.values() for q in mod.parameters()])
+    stages = [TimedStage(mods[s], s, n_stages, ctx.device, forward_s=args.work_ms / 1e3 / len(indices), held=held)
               for s in indices]
     cls = get_schedule_class(name)
     single = issubclass(cls, PipelineScheduleSingle)
@@ -110,6 +153,7 @@ def run(name, full, ctx, args, m, x, y):
             for mod in mods.values():
                 mod.zero_grad(set_to_none=True)
             losses = []
+            held.reset()
             with record_function("sync-start"):
                 dist.barrier()  # the ranks start the step together...
             start = time.perf_counter()
@@ -126,8 +170,11 @@ def run(name, full, ctx, args, m, x, y):
     loss = float(torch.stack(losses).detach().mean()) if last else None  # mean of m equal micro-batch means
     assert diff < TOL, f"{name} m={m} rank {rank}: gradients differ from the unsplit model's by {diff:.1e}"
     assert loss is None or abs(loss - ref_loss.item()) < TOL, f"{name} m={m}: loss {loss} != {ref_loss.item()}"
+    order = [] if single else schedule.pipeline_order[rank]  # the plan of a multi-stage schedule, per rank
     return {"error": None, "stages": indices, "n_stages": n_stages, "max_grad_diff": diff, "loss": loss,
-            "ref_loss": ref_loss.item(), "step_s": seconds}
+            "ref_loss": ref_loss.item(), "step_s": seconds, "order": [str(a) for a in order if a is not None],
+            "peak_chunks": held.peak_chunks, "peak_bytes": held.peak_bytes,
+            "chunk_bytes": sorted(set(held.chunk_bytes.values()))}
 
 
 def main() -> None:
@@ -144,7 +191,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps per configuration; the last is profiled")
     args = parser.parse_args()
     for name in args.schedules:
-        if name == "ZBVZeroBubble" and args.virtual != 2:
+        if name in V_SHAPED and args.virtual != 2:
             parser.error(f"{name} needs exactly 2 stages per rank: pass --virtual 2 (got {args.virtual})")
     if args.virtual < 1 or min(args.micro) < 1:
         parser.error(f"--virtual {args.virtual} and --micro {args.micro} must be >= 1")

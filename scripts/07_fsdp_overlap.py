@@ -1,4 +1,5 @@
-"""Chapter 07, section 8: FSDP2's prefetching seen in the trace, and HSDP on a 2D mesh against FSDP and DDP.
+"""Chapter 07, section 8: FSDP2's prefetching seen in the trace, HSDP on a 2D mesh against FSDP and DDP, and gradient
+accumulation with and without gradient sync.
 
     --mode prefetch    the same MLP under fully_shard three ways, one after the other, each profiled
                        (traces/<variant>-rank<r>.json):
@@ -13,6 +14,15 @@
     logged per variant: bytes of parameters, gradients and optimizer states this rank holds, every collective of
     one step (op, process group, bytes), the global loss of every step. Asserted: losses and final parameters
     equal a one-process run on the whole batch (each rank runs it locally, without communication).
+    --mode accumulate --micro K   FSDP2 over all N ranks, each step accumulating K micro-batches, three ways:
+      sync        every micro-batch's backward reduce-scatters its gradients (FSDP2's default)
+      no-sync     set_requires_gradient_sync(False) before the first K-1 backwards, True before the last: one
+                  reduce-scatter per step; FSDP2 keeps the unsharded gradients between micro-batches
+      no-reshard  no-sync, plus set_reshard_after_backward(False) on the first K-1: the gathered parameters stay
+                  unsharded between micro-batches, so the next forward needs no all-gather
+    In float64. Logged per variant: every collective of the last step (op, bytes), the global loss of every step, and
+    the first Linear's weight as FSDP2 holds it (global and local shape, placements). Asserted: losses and final
+    parameters equal a one-process run on the whole batch.
 """
 import argparse
 import contextlib
@@ -162,6 +172,18 @@ def run_prefetch(variant: str, args, ctx, counter: CommCounter, record: bool = T
     return full(model.parameters())
 
 
+def check_against_one_process(variant, losses, params, reference) -> float:
+    """Assert the losses and final parameters equal one process's on the whole batch; return the largest difference."""
+    ref_losses, ref_params = reference
+    final = full(params)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7,
+                               msg=lambda m: f"{variant}: losses differ from one process on the whole batch: {m}")
+    for got, want in zip(final, ref_params):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{variant}: parameters differ from one process: {m}")
+    return max((a - b).abs().max().item() for a, b in zip(final, ref_params))
+
+
 # --- HSDP against FSDP and DDP ------------------------------------------------------------------------------
 def build(variant: str, args, ctx):
     """(model, the mesh's groups as {name: ranks of this rank's group})."""
@@ -206,20 +228,59 @@ def run_hsdp(variant: str, args, ctx, counter: CommCounter, reference) -> None:
     for c in calls:
         c["group"] = names.get(c["ranks"], "world" if len(c["ranks"]) == ctx.world_size else "other")
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    ref_losses, ref_params = reference
-    final = full(params)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7,
-                               msg=lambda m: f"{variant}: losses differ from one process on the whole batch: {m}")
-    for got, want in zip(final, ref_params):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{variant}: parameters differ from one process: {m}")
+    ref_losses = reference[0]
+    diff = check_against_one_process(variant, losses, params, reference)
     runtime.log(mode="hsdp", variant=variant, groups={k: list(v) for k, v in groups.items()}, losses=losses,
-                ref_losses=ref_losses, max_param_diff=max((a - b).abs().max().item() for a, b in zip(final, ref_params)),
-                params=sum(nbytes(p) for p in params), grads=sum(nbytes(p.grad) for p in params),
+                ref_losses=ref_losses, max_param_diff=diff, params=sum(nbytes(p) for p in params),
+                grads=sum(nbytes(p.grad) for p in params),
                 optimizer=sum(nbytes(t) for t in state if t.dim() > 0), step_counters=sum(nbytes(t) for t in state
                                                                                           if t.dim() == 0),
                 num_params=sum(p.numel() for p in make_model(args.width, args.depth).parameters()),
                 calls=[{k: (list(v) if k == "ranks" else v) for k, v in c.items()} for c in calls])
+
+
+# --- gradient accumulation ------------------------------------------------------------------------------------
+ACCUMULATE = ["sync", "no-sync", "no-reshard"]
+
+
+def run_accumulate(variant: str, args, ctx, counter: CommCounter, reference) -> None:
+    net = make_model(args.width, args.depth)
+    for layer in linears(net):
+        fully_shard(layer)
+    model = fully_shard(net)
+    weight = linears(net)[0].weight  # what FSDP2 made of one parameter: a DTensor, this rank's rows local
+    shard = {"global": list(weight.shape), "local": list(weight.to_local().shape),
+             "placements": [repr(pl) for pl in weight.placements]}
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=LR)
+    gen = torch.Generator().manual_seed(1)
+    per_rank = args.batch // ctx.world_size
+    losses = []
+    for step in range(args.steps):
+        x = torch.randn(args.batch, args.width, generator=gen)[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
+        counter.on = step == args.steps - 1
+        total = torch.zeros(())
+        for k, chunk in enumerate(x.chunk(args.micro)):
+            last = k == args.micro - 1
+            if variant != "sync":
+                model.set_requires_gradient_sync(last)  # reduce-scatter only after the last micro-batch
+            if variant == "no-reshard":
+                model.set_reshard_after_backward(last)  # keep the gathered parameters for the next forward
+            loss = model(chunk).square().mean() / args.micro
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        counter.on = False
+        dist.all_reduce(total)  # the mean over ranks of equal slices is the whole batch's loss
+        losses.append(total.item() / ctx.world_size)
+    calls = counter.take()
+    ref_losses = reference[0]
+    diff = check_against_one_process(variant, losses, params, reference)
+    runtime.log(mode="accumulate", variant=variant, micro=args.micro, losses=losses, ref_losses=ref_losses,
+                max_param_diff=diff,
+                param_bytes=sum(p.numel() * p.element_size() for p in make_model(args.width, args.depth).parameters()),
+                calls=[{"op": c["op"], "bytes": c["bytes"]} for c in calls], shard=shard)
 
 
 def one_process(args):
@@ -239,13 +300,14 @@ def one_process(args):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["prefetch", "hsdp"], required=True)
+    parser.add_argument("--mode", choices=["prefetch", "hsdp", "accumulate"], required=True)
     parser.add_argument("--variants", nargs="+", help="default: every variant of the mode")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--batch", type=int, default=256, help="global batch (divisible by the world size)")
     parser.add_argument("--profile-steps", type=int, default=3, help="prefetch: profiled steps per variant")
-    parser.add_argument("--steps", type=int, default=3, help="hsdp: AdamW steps per variant")
+    parser.add_argument("--steps", type=int, default=3, help="hsdp, accumulate: AdamW steps per variant")
+    parser.add_argument("--micro", type=int, default=4, help="accumulate: micro-batches per step")
     parser.add_argument("--replicate", type=int, default=2, help="hsdp: the mesh's replicate dimension")
     args = parser.parse_args()
     ctx = runtime.setup(seed=0, cuda_with_gloo=False)  # CPU tensors: gloo on GPUs is not what this measures
@@ -256,6 +318,8 @@ def main() -> None:
     if args.mode == "hsdp" and (args.replicate < 1 or n % args.replicate):
         problems.append(f"--replicate {args.replicate} does not divide the world size {n}: the mesh is replicate x "
                         f"shard = {n} ranks; pick a divisor of {n}")
+    if args.mode == "accumulate" and (args.micro < 1 or (args.batch // n) % args.micro):
+        problems.append(f"--micro {args.micro} does not divide the {args.batch // n} samples per rank: pick a divisor")
     if problems:
         raise SystemExit("07_fsdp_overlap.py: " + "; ".join(problems))
     counter = CommCounter()
@@ -268,10 +332,17 @@ def main() -> None:
         first, *others = finals.items()
         for variant, params in others:  # prefetching moves communication in time, never the arithmetic
             assert all(torch.equal(a, b) for a, b in zip(params, first[1])), (variant, first[0])
-    else:
+    elif args.mode == "hsdp":
         reference = one_process(args)
         for variant in args.variants or ["ddp", "fsdp", "hsdp"]:
             run_hsdp(variant, args, ctx, counter, reference)
+    else:
+        # float64: K micro-batches add their gradients in another order than one batch, and AdamW turns a rounding
+        # difference in a near-zero gradient into a visible one; in float64 it stays far below the tolerance
+        torch.set_default_dtype(torch.float64)
+        reference = one_process(args)
+        for variant in args.variants or ACCUMULATE:
+            run_accumulate(variant, args, ctx, counter, reference)
     runtime.teardown()
 
 

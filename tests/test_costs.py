@@ -22,8 +22,12 @@ from gpucourse.models.costs import (
     ddp_step_from_bucket_times,
     ddp_step_time,
     fit_alpha_beta,
+    dualpipev_bubble,
     pipeline_bubble_fraction,
     pipeline_bubble_ratio,
+    pipeline_order_from_torch,
+    pipeline_peak_activations,
+    pipeline_stage_costs,
     scaling_efficiency,
     simulate_pipeline,
     zero_comm_volume,
@@ -266,6 +270,78 @@ def test_simulate_pipeline_rejects_orders_that_cannot_finish_and_bad_actions():
         simulate_pipeline({0: ["0X1"]}, UNIT)
     with pytest.raises(ValueError, match="'W'"):
         simulate_pipeline({0: ["0F0", "0I0", "0W0"]}, {"F": 1, "I": 1})
+
+
+# torch 2.13's ScheduleDualPipeV order for 2 ranks (stages 0 and 3 on rank 0, 1 and 2 on rank 1), 4 micro-batches:
+# its pipeline_order, each overlapped pair "(0F3;3B1)OVERLAP_F_B" written as a tuple. test_teaching_claims checks
+# the installed torch still plans it.
+DUALPIPEV_P2_M4 = {
+    0: ["0F0", "0F1", "0F2", "3F0", "3I0", "3W0", "3F1", ("0F3", "3B1"), ("3F2", "0B0"), "3B2", ("3F3", "0B1"), "3B3",
+        "0I2", "0W2", "0I3", "0W3"],
+    1: ["1F0", "2F0", "1F1", "2F1", "1F2", "2B0", ("2F2", "1B0"), ("1F3", "2B1"), ("2F3", "1B1"), "2B2", "1B2", "2I3",
+        "1I3", "2W3", "1W3"],
+}
+
+
+def test_simulated_block_runs_its_actions_together_and_ends_them_together():
+    timeline = simulate_pipeline({0: ["0F0", ("0F1", "0B0")], 1: ["1F0", "1B0", "1F1", "1B1"]}, UNIT)
+    # 1F0 1-2, 1B0 2-4; the block waits for 1B0 (its B) and lasts F + B = 3: 4-7, both ending at 7
+    assert timeline[0][1:] == [("0F1", 4, 7), ("0B0", 4, 7)]
+    assert timeline[1][2] == ("1F1", 7, 8)  # 0F1's output is ready only at the block's end
+    short = simulate_pipeline({0: ["0F0", ("0F1", "0B0")], 1: ["1F0", "1B0", "1F1", "1B1"]}, {**UNIT, "F&B": 2.0})
+    assert short[0][1] == ("0F1", 4, 6)
+
+
+def test_dualpipev_order_has_deepseek_s_bubble_and_holds_2p_plus_1_chunks():
+    timeline = simulate_pipeline(DUALPIPEV_P2_M4, UNIT)  # F = I = W = 1, B = 2, pairs as one block of F + B
+    step, _ = _step_and_busy(timeline)
+    busy = {r: sum(end - start for start, end in {(start, end) for _, start, end in acts})  # a block once
+            for r, acts in timeline.items()}
+    assert busy == {0: 24, 1: 24}  # 4 micro-batches x 2 stages x (F + B) = 4 * 2 * 3
+    assert {r: step - b for r, b in busy.items()} == {0: 2, 1: 2}
+    assert dualpipev_bubble(2, 1, 2, 1) == (2 - 1) * ((1 + 2) + 2 - 3 * 1) == 2
+    assert dualpipev_bubble(4, 1, 2, 1, overlapped=2) == 3 * (2 + 2 - 3)
+    assert pipeline_peak_activations(2, 4, 2, 0, "DualPipeV") == 5  # counted by hand from DUALPIPEV_P2_M4, rank 0
+
+
+def test_pipeline_order_from_torch_keeps_compute_and_pairs():
+    order = ["0F0", "3I0", "(0F3;3B1)OVERLAP_F_B", "0SEND_F0", "0REDUCE_GRAD", "3W0"]
+    assert pipeline_order_from_torch(order) == ["0F0", "3I0", ("0F3", "3B1"), "3W0"]
+    assert pipeline_order_from_torch(order, blocks=False) == ["0F0", "3I0", "0F3", "3B1", "3W0"]
+
+
+def test_pipeline_peak_activations_1f1b_and_interleaved():
+    assert [pipeline_peak_activations(4, 8, rank=r) for r in range(4)] == [4, 3, 2, 1]
+    assert pipeline_peak_activations(4, 2) == 2  # m < p: all of them
+    assert pipeline_peak_activations(4, 6, schedule="GPipe") == 6
+    # interleaved, p = 2, v = 2, m = 4: rank 0 runs (2-1)*2 + 2*1 = 4 warm-up forwards, then one more: 5 chunks
+    assert [pipeline_peak_activations(2, 4, 2, r, "Interleaved1F1B") for r in (0, 1)] == [5, 3]
+    assert pipeline_peak_activations(2, 1, 2, 0, "Interleaved1F1B") == 2  # m * v caps it
+    # rank 0, p | m: v*p + p - 1 chunks = p (1 + (p-1)/(p v)) micro-batches of the rank's layers (Korthikanti)
+    assert pipeline_peak_activations(4, 8, 4, 0, "Interleaved1F1B") / 4 == pytest.approx(4 * (1 + 3 / 16))
+
+
+def test_pipeline_stage_costs_put_embeddings_first_and_the_head_last():
+    d, vocab, seq = 8, 100, 16
+    stages = pipeline_stage_costs([1, 1], d, vocab, seq)
+    block = 12 * 8 * 8
+    assert stages[0]["params"] == block + (100 + 16) * 8 and stages[1]["params"] == block + 100 * 8
+    assert stages[0]["flops_per_token"] == 6 * block + 12 * 8 * 16
+    assert stages[1]["flops_per_token"] == 6 * (block + 100 * 8) + 12 * 8 * 16
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: dualpipev_bubble(0, 1, 2, 1), "ranks"),
+    (lambda: dualpipev_bubble(2, 1, 1, 2), "weight"),
+    (lambda: pipeline_peak_activations(2, 4, rank=2), "rank"),
+    (lambda: pipeline_peak_activations(2, 3, 2, schedule="DualPipeV"), "m >= 2p"),
+    (lambda: pipeline_peak_activations(2, 4, 2, schedule="ZBVZeroBubble"), "schedule"),
+    (lambda: pipeline_stage_costs([], 8, 10, 4), "layers_per_stage"),
+    (lambda: simulate_pipeline({0: [()]}, UNIT), "empty block"),
+])
+def test_new_pipeline_models_reject_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 # --- DDP step -----------------------------------------------------------------

@@ -44,3 +44,46 @@ def test_fsdp2_mixed_precision_keeps_fp32_shards_and_gradients(runs_dir):
         assert rec["param_dtypes"] == rec["local_dtypes"] == rec["grad_dtypes"] == ["torch.float32"], (rank, rec)
         assert rec["computed_dtypes"] == ["torch.bfloat16"], (rank, rec)
         assert rec["local_numel"] * 2 == rec["numel"], (rank, rec)  # each rank keeps half of every parameter
+
+
+def test_torch_dualpipev_plans_deepseek_s_bubble_and_memory_and_interleaving_holds_its_formula():
+    """Chapter 05: torch's ScheduleDualPipeV order, replayed with F = I = W and each overlapped pair as one block, idles
+    (p - 1)(F&B + B - 3W) per rank and holds 2p + 1 chunks; interleaved 1F1B's warm-up gives pipeline_peak_activations."""
+    import re
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _get_warmup_ops
+
+    from gpucourse.models.costs import dualpipev_bubble, pipeline_peak_activations, simulate_pipeline
+
+    from .test_costs import DUALPIPEV_P2_M4
+
+    def plan(p, m):
+        plans = {r: ScheduleDualPipeV._calculate_single_rank_operations(
+            SimpleNamespace(pp_group_size=p, _n_microbatches=m), r) for r in range(p)}
+        return {r: [tuple(map(str, a.sub_actions)) if a.sub_actions else str(a) for a in acts]
+                for r, acts in plans.items()}
+
+    def peak_chunks(order):
+        alive, peak = set(), 0
+        for entry in order:
+            for stage, kind, mb in (re.fullmatch(r"(\d+)([FBIW])(\d+)", a).groups()
+                                    for a in (entry if isinstance(entry, tuple) else (entry,))):
+                alive.add((stage, mb)) if kind == "F" else alive.discard((stage, mb)) if kind in "BW" else None
+                peak = max(peak, len(alive))
+        return peak
+
+    assert plan(2, 4) == DUALPIPEV_P2_M4
+    for p, m in ((2, 8), (3, 6), (4, 16)):
+        order = plan(p, m)
+        timeline = simulate_pipeline(order, {"F": 1, "B": 2, "I": 1, "W": 1})
+        step = max(end for acts in timeline.values() for _, _, end in acts)
+        for rank, acts in timeline.items():
+            busy = sum(end - start for start, end in {(start, end) for _, start, end in acts})  # a block once
+            assert step - busy == dualpipev_bubble(p, 1, 2, 1), (p, m, rank)
+            assert peak_chunks(order[rank]) == pipeline_peak_activations(p, m, 2, rank, "DualPipeV"), (p, m, rank)
+    for p, m, v in ((2, 4, 2), (4, 8, 2), (4, 8, 4), (2, 1, 2), (4, 2, 3)):
+        per_round = m // max(1, m // p)
+        for rank in range(p):
+            warmup = _get_warmup_ops(rank, v, per_round, p, m)
+            assert pipeline_peak_activations(p, m, v, rank, "Interleaved1F1B") == min(warmup + 1, m * v)

@@ -408,3 +408,17 @@ def test_scaling_efficiency_is_throughput_over_n_times_the_baseline():
         timeline.scaling_plot({1: 1.0}, mode="linear")
     with pytest.raises(ValueError, match="bad measurement 0"):
         timeline.efficiencies({0: 5.0})
+
+
+def test_compute_spans_start_after_the_last_barrier_and_overlapped_blocks_split_the_row(tmp_path):
+    events = [ev("sync-start", 0, 100), ev("compute 0F9", 50, 10), ev("sync-start", 200, 1000),
+              ev("compute 3B1", 3200, 2000), ev("compute 0F0", 1200, 1000), ev("PP:0F0", 1100, 1200)]
+    spans = traces.step_spans({0: write_trace(tmp_path / "r0.json", events)}, r"compute (\d+[FBIW]\d+)")
+    assert spans == {0: [("0F0", 0.0, 1.0), ("3B1", 2.0, 4.0)]}  # 0F9 ran before the step: left out
+    modelled = {0: [("0F0", 0, 1), ("0F1", 1, 4), ("3B1", 1, 4)], 1: [("1F0", 1, 2)]}
+    fig = timeline.pipeline_figure([[(spans, "measured")], [(modelled, "modelled")]], title="cpu · gloo · 2 ranks")
+    bars = [[c.get_paths()[0].get_extents().height for c in ax.collections] for ax in fig.axes[:2]]
+    assert len(bars[0]) == 2 and len(bars[1]) == 4
+    assert bars[1][1] == pytest.approx(bars[1][0] / 2)  # the block's two actions share the row's height
+    assert fig._suptitle.get_text() == "cpu · gloo · 2 ranks"
+    assert [ax.get_title() for ax in fig.axes[:2]] == ["measured", "modelled"]

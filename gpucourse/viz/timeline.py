@@ -117,18 +117,26 @@ _ACTION = re.compile(r"(\d*)([FBIW])(\d*)")  # [stage]kind[micro-batch]: "F3", "
 
 def pipeline_rows(ax, timeline: dict, title: str, *, span_ms: float | None = None) -> None:
     """A pipeline's actions, one row per rank ({rank: [(label, start ms, end ms)]}, labels like "F3" or "1B3":
-    stage, kind, micro-batch), coloured by kind; a rank's later stages lighter; a label on each bar wide enough
-    for it (span_ms: the time axis's width, default this timeline's)."""
+    stage, kind, micro-batch), coloured by kind; a rank's later stages lighter; actions run as one block (same
+    start and end) split the row's height; a label on each bar wide enough for it (span_ms: the time axis's
+    width, default this timeline's)."""
     span_ms = span_ms or max(end for spans in timeline.values() for _, _, end in spans)
     for rank, spans in timeline.items():
         local = sorted({_ACTION.fullmatch(a)[1] for a, _, _ in spans})  # this rank's stages ("" when unnamed)
+        blocks = {}  # actions that share a start and an end (an overlapped block: DualPipe's F&B) share the row
         for action, start, end in spans:
-            stage, kind, _ = _ACTION.fullmatch(action).groups()
-            shade = 1.0 - 0.45 * local.index(stage) / max(1, len(local) - 1)
-            ax.broken_barh([(start, end - start)], (rank - 0.4, 0.8), facecolor=PIPELINE_COLORS[kind], alpha=shade,
-                           edgecolor="white")
-            if end - start > span_ms / 45:
-                ax.text((start + end) / 2, rank, action, ha="center", va="center", color="white", fontsize=6)
+            blocks.setdefault((start, end), []).append(action)
+        for (start, end), actions in blocks.items():
+            height = 0.8 / len(actions)
+            for k, action in enumerate(actions):
+                stage, kind, _ = _ACTION.fullmatch(action).groups()
+                shade = 1.0 - 0.45 * local.index(stage) / max(1, len(local) - 1)
+                bottom = rank - 0.4 + k * height
+                ax.broken_barh([(start, end - start)], (bottom, height), facecolor=PIPELINE_COLORS[kind],
+                               alpha=shade, edgecolor="white")
+                if end - start > span_ms / 45:
+                    ax.text((start + end) / 2, bottom + height / 2, action, ha="center", va="center", color="white",
+                            fontsize=6)
     ax.set_yticks(list(timeline), [f"rank {r}" for r in timeline])
     ax.set_ylim(len(timeline) - 0.5, -0.5)
     ax.set_xlabel("time since the step started (ms)")

@@ -18,6 +18,14 @@ from .conftest import ROOT
 GITHUB = "https://github.com/example-org/gpucourse.git"
 
 
+@pytest.mark.parametrize("path", find_notebooks(), ids=lambda p: p.stem)
+def test_every_chapter_starts_with_the_colab_cell(path):
+    cells = nbformat.read(path, as_version=4).cells
+    first_code = next(c for c in cells if c.cell_type == "code")
+    assert first_code.get("id") == colab.CELL_ID, f"{path.name}: its first code cell is not the Colab start cell"
+    assert first_code.source == colab.start_cell(), f"{path.name}: the start cell differs from gpucourse/tools/colab.py"
+
+
 def test_stamp_writes_the_source_and_one_badge(tmp_path):
     path = tmp_path / find_notebooks()[0].name
     shutil.copy(find_notebooks()[0], path)

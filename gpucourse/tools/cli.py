@@ -16,7 +16,7 @@ from .argtypes import positive_int, positive_seconds
 EXIT_CODES = {"ok": 0, "failed": 1, "timeout": 124, "stalled": 124, "interrupted": 130}
 # Modules that add their own subcommands with add_cli(subparsers), kept out of this file.
 PLUGINS = ("gpucourse.tools.grading.runner", "gpucourse.tools.course", "gpucourse.run.slurm", "gpucourse.tools.release",
-           "gpucourse.tools.gpu_check", "gpucourse.tools.workspace")
+           "gpucourse.tools.gpu_check", "gpucourse.tools.workspace", "gpucourse.run.dryrun")
 
 
 def _launch(args) -> int:
@@ -91,6 +91,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def bad_input_errors() -> tuple[type[Exception], ...]:
     """The exceptions that mean "the request was wrong": each says what was wrong and what to do."""
+    from ..run.dryrun import DryRunError
     from ..run.launcher import LaunchConfigError
     from ..run.slurm import SlurmConfigError
     from .course import CourseError
@@ -99,7 +100,7 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     from .release import ReleaseError
     from .workspace import WorkspaceError
 
-    return (UsageError, LaunchConfigError, ExerciseError, SlurmConfigError, CourseError, ReleaseError, GpuCheckError,
+    return (UsageError, DryRunError, LaunchConfigError, ExerciseError, SlurmConfigError, CourseError, ReleaseError, GpuCheckError,
             WorkspaceError)
 
 

@@ -139,6 +139,7 @@ class StepCounter:
                     self.reset_mod_stats()
                 super()._pre_fw_hook(module, inputs)
 
+        _count_ddp_in_python()
         self.flops = 0
         self.model_states = dict.fromkeys(("params", "grads", "optimizer"), 0)
         self._hooks = (register_optimizer_step_pre_hook(self._before_step),
@@ -215,6 +216,35 @@ class StepCounter:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(report))
         tmp.replace(path)
+
+
+def _count_ddp_in_python() -> None:
+    """DDP all-reduces its buckets from C++, below every layer the recorder wraps. While counting, a DDP model
+    that has no communication hook of its own by its first forward gets one that does what DDP's default does,
+    an averaging all-reduce of each bucket, through dist.all_reduce, where the recorder sees it. It waits for
+    each bucket (counts, not overlap, are what a counting run is for); torch's `allreduce_hook` would read the
+    value of a future that the fake process group leaves empty."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def allreduce_hook(group, bucket):
+        grads = bucket.buffer()
+        grads.div_(group.size())
+        dist.all_reduce(grads, group=group)
+        done = torch.futures.Future()
+        done.set_result(grads)
+        return done
+
+    forward = DDP.forward
+
+    def counted_forward(self, *args, **kwargs):
+        if not self._comm_hooks and not getattr(self, "_gpucourse_counted", False):
+            self._gpucourse_counted = True
+            self.register_comm_hook(self.process_group, allreduce_hook)
+        return forward(self, *args, **kwargs)
+
+    DDP.forward = counted_forward
 
 
 def _local_bytes(tensors) -> int:

@@ -313,7 +313,8 @@ def rank_env(rank: int, world: int, *, node_size: int = NODE_SIZE) -> dict:
 def _failure(rank: int, work: Path, path: Path, code: int) -> Exception:
     """The rank's exception, as one line naming the script's line; a ValueError or usage error is bad input."""
     stderr = (work / f"rank{rank}.stderr").read_text(errors="replace")
-    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    lines = [re.sub(r"^\[rank\d+\]:\s?", "", ln) for ln in stderr.splitlines()]  # torch's rank prefix
+    lines = [ln for ln in lines if ln.strip()]
     where = [m for m in re.finditer(rf'File "({re.escape(str(path.resolve()))}|{re.escape(str(path))})", line (\d+)',
                                     stderr)]
     at = f" (line {where[-1].group(2)} of {path.name})" if where else ""

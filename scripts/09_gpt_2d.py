@@ -2,7 +2,6 @@
 
     torchrun --nproc-per-node 4 scripts/09_gpt_2d.py --dp 2 --tp 2     # 4 ranks: 2 DP groups of 2 TP ranks
     python scripts/09_gpt_2d.py                                         # the 1-rank reference (dp = tp = 1)
-    gpucourse dryrun scripts/09_gpt_2d.py --world 1024 -- --dp 256 --tp 4 --batch 256  # ranks 0, 1023: counted
 
 The mesh (init_device_mesh) has two named dimensions: "tp" ranks share every layer (parallelize_module:
 q/k/v and fc column-parallel, out and proj row-parallel, Megatron style), "dp" groups see different data
@@ -270,8 +269,7 @@ def train_step(model, opt, data, args, step, mesh, autocast):
 
 @torch.no_grad()
 def evaluate(model, data, args, autocast, batches: int) -> float | None:
-    """Validation loss on the same `batches` x `--batch` windows on every rank (each rank runs them all);
-    None in a dry run."""
+    """Validation loss on the same `batches` x `--batch` windows on every rank (all of them); None in a dry run."""
     device, losses = runtime.context().device, []
     for i in range(batches):
         x, y = data.batch("val", args.batch, args.context, seed=10_000 + i)
@@ -344,7 +342,6 @@ def main(argv=None) -> None:
                 prof.step()
 
     val = evaluate(model, data, args, autocast, args.eval_batches) if args.eval_batches else math.nan
-    # Sampling picks each character from the last one's value: a dry run has none to pick from.
     text = sample(model, data, args, args.sample, autocast) if args.sample and not runtime.dry_run() else ""
     runtime.log(summary=True, tokens_per_s=tokens_per_s, timed_steps=timed_steps, timed_seconds=timed,
                 val_loss=val, sample=text, **memory)

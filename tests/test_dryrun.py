@@ -76,6 +76,23 @@ def test_capstone_at_world_1024(tmp_path):
     assert groups[("reduce_scatter_single", 256)]["calls"] > 0
     assert set(last["memory"]) == set(dr.PARTS) and sum(last["memory"].values()) == last["peak_bytes"] > 0
     assert last["flops"] > 0 and "rank 1023, step 1" in proc.stdout
+    assert last["predicted"]["label"] == "modelled" and "MODELLED on h100-sxm" in proc.stdout
+
+
+def test_step_time_is_modelled_on_the_links_the_groups_span():
+    """A group inside one node of 8 rides NVLink, one across nodes InfiniBand; compute runs at the peak."""
+    spec = costs.SYSTEMS["h100-sxm"]
+    peak = costs.peak_flops(spec["device"], "bf16")
+    nvlink, ib = (costs.INTERCONNECTS[spec[k]] for k in ("inside", "between"))
+    inside = {"op": "all_reduce", "group_size": 4, "group": [8, 9, 10, 11], "calls": 2, "bytes": 2 * 2**20}
+    across = {"op": "all_gather_single", "group_size": 2, "group": [3, 11], "calls": 1, "bytes": 2**20}
+    got = costs.dryrun_step_time({"flops": peak * 0.5, "comms": [inside, across]})
+    comm = (2 * costs.collective_time("all_reduce", 2**20, 4, nvlink.alpha, nvlink.beta)
+            + costs.collective_time("all_gather", 2**20, 2, ib.alpha, ib.beta))
+    assert got["label"] == "modelled" and got["compute_s"] == pytest.approx(0.5)
+    assert got["comm_s"] == pytest.approx(comm) and got["mfu"] == pytest.approx(0.5 / (0.5 + comm))
+    with pytest.raises(ValueError, match="system must be one of"):
+        costs.dryrun_step_time({"flops": 1, "comms": []}, system="laptop")
 
 
 @pytest.mark.parametrize("cli_args, message", [

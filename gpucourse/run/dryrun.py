@@ -1,7 +1,8 @@
 """The cluster on a laptop: a script's own code run as rank r of a world of N, with a fake process group.
 
-    gpucourse dryrun scripts/09_gpt_2d.py --world 1024 -- --dp 256 --tp 4
-    report = gpucourse.dryrun("scripts/09_gpt_2d.py", world=1024, args=["--dp", "256", "--tp", "4"])
+    gpucourse dryrun scripts/09_gpt_2d.py --world 1024 -- --dp 256 --tp 4 --batch 256
+    report = gpucourse.dryrun("scripts/09_gpt_2d.py", world=1024, args=["--dp", "256", "--tp", "4", "--batch", "256"])
+    costs.dryrun_step_time(report["ranks"][0])       # a step time and MFU on a named system: modelled
 
 Each asked rank (default: the first and the last) runs the script in a process of its own with torchrun's
 environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE = min(8, N), GROUP_RANK, ...) and DRYRUN_ENV set:
@@ -406,6 +407,11 @@ def format_report(result: dict) -> str:
         parts = ", ".join(f"{k} {_human(v)}" for k, v in r["memory"].items())
         lines.append(f"rank {r['rank']}, step {r['step']}: peak {_human(r['peak_bytes'])} ({parts}); "
                      f"{_human(r['flops'], 'FLOP')}")
+        if r.get("predicted"):
+            p = r["predicted"]
+            lines.append(f"  MODELLED on {p['system']} ({p['device']}, {p['dtype']}): step {p['step_s'] * 1e3:.3g} ms "
+                         f"(compute {p['compute_s'] * 1e3:.3g} ms + communication {p['comm_s'] * 1e3:.3g} ms), MFU "
+                         f"{p['mfu']:.1%}; assumes {p['assumes']}")
         for c in r["comms"]:
             group = c["group"] or []
             shown = (f"{group[:4]}"[:-1] + ", ...]" if len(group) > 4 else f"{group}")
@@ -413,27 +419,3 @@ def format_report(result: dict) -> str:
             lines.append(f"  {c['op']:<24} group of {c['group_size']:>5} {shown}{peers}: {c['calls']} call(s), "
                          f"{_human(c['bytes'])}")
     return "\n".join(lines)
-
-
-def add_cli(sub) -> None:
-    """`gpucourse dryrun SCRIPT --world N [--rank R]... [--json F] [-- SCRIPT ARGS]`."""
-    p = sub.add_parser("dryrun", help="run a script as rank r of a world of N, with a fake process group",
-                       usage="gpucourse dryrun SCRIPT --world N [--rank R]... [--json F] [-- SCRIPT ARGS]")
-    p.add_argument("script")
-    p.add_argument("--world", type=int, required=True, help=f"ranks in the simulated job (1 to {MAX_WORLD:,})")
-    p.add_argument("--rank", type=int, action="append", dest="ranks",
-                   help="a rank to simulate (repeat for several; default: the first and the last)")
-    p.add_argument("--json", help="also write the report to this file")
-    p.add_argument("--timeout", type=float, default=600.0, help="stop after this many seconds (default 600)")
-    p.set_defaults(func=_cli)
-
-
-def _cli(args) -> int:
-    try:
-        result = dryrun(args.script, world=args.world, ranks=args.ranks, args=args.script_args,
-                        timeout=args.timeout, json_path=args.json)
-    except DryRunFailed as err:
-        print(f"gpucourse dryrun: {err}", file=sys.stderr)
-        return 1
-    print(format_report(result))
-    return 0

@@ -20,23 +20,26 @@ CAPSTONE = ROOT / "scripts" / "09_gpt_2d.py"
 DDP = ROOT / "scripts" / "03_ddp_train.py"
 SMOKE = {CAPSTONE: ["--steps", "2", "--eval-batches", "0", "--sample", "0", "--layers", "1", "--batch", "4"],
          DDP: ["--steps", "2", "--warmup", "2", "--profile-steps", "0", "--hidden", "64", "--layers", "2"]}
-MESH = {CAPSTONE: ["--dp", "2", "--tp", "1"], DDP: []}  # at world 2: FSDP over 2 ranks; DDP over 2
+# At world 2: the capstone with FSDP over 2 ranks, and with tensor parallelism over 2; DDP over 2.
+CASES = {"capstone-fsdp": (CAPSTONE, ["--dp", "2", "--tp", "1"]), "capstone-tp": (CAPSTONE, ["--dp", "1", "--tp", "2"]),
+         "ddp": (DDP, [])}
 
 
-@pytest.fixture(scope="module", params=[CAPSTONE, DDP], ids=["capstone-fsdp", "ddp"])
+@pytest.fixture(scope="module", params=list(CASES))
 def real_and_dry(request, tmp_path_factory):
-    """The script at world 2, really (gloo, counting) and dry (fake group): (launch result, real, dry reports)."""
-    script, out = request.param, tmp_path_factory.mktemp("counts")
-    args = MESH[script] + SMOKE[script]
+    """The script at world 2, really (gloo, counting) and dry (fake group): (case, launch result, real, dry)."""
+    (script, mesh), out = CASES[request.param], tmp_path_factory.mktemp("counts")
+    args = mesh + SMOKE[script]
     result = gpucourse.launch(script, nproc=2, args=args, env={COUNT_FILE_ENV: str(out / "rank{rank}.json")},
                               live="off", timeout=180, name=f"count-{script.stem}", check=True)
     real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     dry = dr.dryrun(script, world=2, ranks=[0, 1], args=args, timeout=180)
-    return script, result, real, dry["ranks"]
+    return request.param, result, real, dry["ranks"]
 
 
 def test_dry_counts_equal_the_real_gloo_run(real_and_dry):
-    script, _, real, dry = real_and_dry
+    case, _, real, dry = real_and_dry
+    script = CASES[case][0]
     for r in range(2):
         assert dry[r]["rank"] == r and dry[r]["dry"] and not real[r]["dry"]
         assert dry[r]["step"] == real[r]["step"] == 1  # the last step logged: --steps 2
@@ -48,12 +51,15 @@ def test_dry_counts_equal_the_real_gloo_run(real_and_dry):
 
 
 def test_model_states_equal_the_zero_formulas(real_and_dry):
-    script, result, _, dry = real_and_dry
+    case, result, _, dry = real_and_dry
     header = next(rec for rec in result.metrics[0] if "params" in rec)
     n = header["params"]
     states = [d["model_states"] for d in dry]
     total = [s["params"] + s["grads"] + s["optimizer"] for s in states]
-    if script == DDP:  # plain SGD, fp32, replicated: stage 0, no optimizer state
+    if case == "capstone-tp":  # no ZeRO stage: the blocks' Linears are split in two, the rest is whole on both
+        assert states[0] == states[1] and 4 * n / 2 < states[0]["params"] < 4 * n
+        assert total[0] == 16 * states[0]["params"] / 4  # fp32 AdamW on what the rank holds: 4 + 4 + 8 bytes
+    elif case == "ddp":  # plain SGD, fp32, replicated: stage 0, no optimizer state
         expected = costs.zero_memory_bytes(n, 2, 0, param_bytes=4, grad_bytes=4, optimizer_bytes=0)
         assert total == [expected, expected]
     else:  # FSDP2 = stage 3, fp32 AdamW (exp_avg, exp_avg_sq): the two ranks' shards add up to the formula x 2

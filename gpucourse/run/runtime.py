@@ -4,11 +4,13 @@
     ctx = runtime.setup(seed=0)          # process group, device, watchdog, error capture
     for step in range(steps):
         ...
-        runtime.log(step=step, total=steps, loss=loss.item())
+        runtime.log(step=step, total=steps, loss=runtime.value(loss))
     runtime.teardown()
 
 It works the same under `gpucourse.launch` (which tells it the run directory through
-$GPUCOURSE_RUN_DIR) and under plain `torchrun` (it then picks `runs/<script>-<run id>/`).
+$GPUCOURSE_RUN_DIR) and under plain `torchrun` (it then picks `runs/<script>-<run id>/`). Under
+`gpucourse dryrun` (run/dryrun.py) setup() joins a fake process group instead and counts each step;
+`value()` then gives None, since no value a dry run computes means anything.
 """
 from __future__ import annotations
 

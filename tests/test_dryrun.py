@@ -1,9 +1,9 @@
 """`gpucourse dryrun`: a script as rank r of a world of N with a fake process group, counted in the rank.
 
-True at small scale: at world 2 the dry run's calls and bytes per process group, and its model-state bytes,
-equal what the same script records in a real gloo job (the same counting, run/comm_recorder.py, turned on by
-COUNT_FILE_ENV), and model states equal costs.zero_memory_bytes. Then the capstone at world 1,024 (smoke
-sizes), and bad input: one line, exit 2, nothing on disk lost.
+True at small scale: at world 2 the dry run's calls and bytes per process group, its model-state bytes, memory
+peak and FLOPs equal what the same script records in a real gloo job (the same counting, run/comm_recorder.py,
+turned on by COUNT_FILE_ENV), and model states equal costs.zero_memory_bytes. Then the capstone at world 1,024
+(smoke sizes), and bad input: one line, exit 2, nothing on disk lost.
 """
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +50,7 @@ def test_dry_counts_equal_the_real_gloo_run(real_and_dry):
         assert dry[r]["comms"] == real[r]["comms"]
         assert all(c["group_size"] == len(c["group"]) and c["calls"] > 0 for c in dry[r]["comms"])
         assert dry[r]["model_states"] == real[r]["model_states"]
+        assert dry[r]["memory"] == real[r]["memory"] and dry[r]["peak_bytes"] == real[r]["peak_bytes"]
         assert dry[r]["flops"] == real[r]["flops"] > 0
 
 

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from . import hardware
-from .contract import BACKEND_ENV, COUNT_FILE_ENV, DRYRUN_ENV, EVENT_SETUP, EVENT_TEARDOWN, RUN_DIR_ENV, STORE_PREFIX_ENV, metrics_file, trace_file
+from .contract import (BACKEND_ENV, COUNT_FILE_ENV, DRYRUN_ENV, EVENT_SETUP, EVENT_TEARDOWN, RUN_DIR_ENV,
+                       STORE_PREFIX_ENV, metrics_file, trace_file)
 from .paths import runs_root, slug
 
 

@@ -126,8 +126,8 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     from .release import ReleaseError
     from .workspace import WorkspaceError
 
-    return (UsageError, DryRunError, LaunchConfigError, ExerciseError, SlurmConfigError, CourseError, ReleaseError, GpuCheckError,
-            WorkspaceError)
+    return (UsageError, DryRunError, LaunchConfigError, ExerciseError, SlurmConfigError, CourseError, ReleaseError,
+            GpuCheckError, WorkspaceError)
 
 
 def build_parser() -> argparse.ArgumentParser:

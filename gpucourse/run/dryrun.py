@@ -335,8 +335,8 @@ def dryrun(script, *, world: int, ranks=None, args=(), timeout: float = 600.0, j
     Raises DryRunError for bad input (a one-line message), DryRunFailed when the script fails in a rank."""
     path, world, ranks = _check(script, world, ranks)
     args = [str(a) for a in args]
-    if json_path is not None and Path(json_path).is_dir():
-        raise DryRunError(f"--json {json_path} is a folder: give a file name for the report")
+    if json_path is not None and (Path(json_path).is_dir() or not Path(json_path).resolve().parent.is_dir()):
+        raise DryRunError(f"json_path {json_path}: give a file name in a folder that exists")
     parallel = parallel or max(1, min(len(ranks), os.cpu_count() or 1))
     work = Path(tempfile.mkdtemp(prefix="gpucourse-dryrun-"))
     started = time.monotonic()

@@ -78,8 +78,8 @@ def _dryrun(args) -> int:
 
     if args.system not in SYSTEMS:
         raise UsageError(f"--system {args.system}: choose one of {', '.join(sorted(SYSTEMS))}")
-    if args.json and Path(args.json).is_dir():
-        raise UsageError(f"--json {args.json} is a folder: give a file name for the report")
+    if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
+        raise UsageError(f"--json {args.json}: give a file name in a folder that exists")
     try:
         result = dryrun(args.script, world=args.world, ranks=args.ranks, args=args.script_args,
                         timeout=args.timeout)

@@ -26,6 +26,7 @@ _NAMES = {
     "list_runs": "gpucourse.run.result",
     "hardware_report": "gpucourse.run.hardware",
     "analyze_run": "gpucourse.models.traces",
+    "dryrun": "gpucourse.run.dryrun",
 }
 # the modules a chapter or a script imports by short name: `from gpucourse import runtime`
 _MODULES = {

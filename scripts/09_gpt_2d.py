@@ -264,18 +264,18 @@ def train_step(model, opt, data, args, step, mesh, autocast):
     opt.step()
     mean = loss.detach().float().clone()
     dist.all_reduce(mean, group=mesh["dp"].get_group())  # the groups' means -> the global batch's mean
-    return (mean / args.dp).item()
+    return runtime.value(mean / args.dp)  # None in a dry run (gpucourse dryrun), where values mean nothing
 
 
 @torch.no_grad()
-def evaluate(model, data, args, autocast, batches: int) -> float:
-    """Validation loss on the same `batches` x `--batch` windows on every rank (each rank runs them all)."""
+def evaluate(model, data, args, autocast, batches: int) -> float | None:
+    """Validation loss on the same `batches` x `--batch` windows on every rank (all of them); None in a dry run."""
     device, losses = runtime.context().device, []
     for i in range(batches):
         x, y = data.batch("val", args.batch, args.context, seed=10_000 + i)
         with autocast():
-            losses.append(model(x.to(device), y.to(device))[1].float().item())
-    return sum(losses) / len(losses)
+            losses.append(runtime.value(model(x.to(device), y.to(device))[1].float()))
+    return None if None in losses else sum(losses) / len(losses)
 
 
 @torch.no_grad()
@@ -342,10 +342,10 @@ def main(argv=None) -> None:
                 prof.step()
 
     val = evaluate(model, data, args, autocast, args.eval_batches) if args.eval_batches else math.nan
-    text = sample(model, data, args, args.sample, autocast) if args.sample else ""
+    text = sample(model, data, args, args.sample, autocast) if args.sample and not runtime.dry_run() else ""
     runtime.log(summary=True, tokens_per_s=tokens_per_s, timed_steps=timed_steps, timed_seconds=timed,
                 val_loss=val, sample=text, **memory)
-    if ctx.rank == 0:
+    if ctx.rank == 0 and not runtime.dry_run():
         print(f"dp={args.dp} tp={args.tp} ({args.dp_mode}) on {ctx.world_size} rank(s), {ctx.backend}/"
               f"{ctx.device.type}: {tokens_per_s:,.0f} tokens/s, final loss {loss:.3f}, val {val:.3f}", flush=True)
     runtime.teardown()

@@ -1,5 +1,5 @@
 """The graders' defences, checked without a grading run (seconds, not minutes): the communication recorder
-(gpucourse/tools/grading/comm_recorder.py), the records' own writer and the bans (gpucourse/tools/grading/jobkit.py).
+(gpucourse/run/comm_recorder.py), the records' own writer and the bans (gpucourse/tools/grading/jobkit.py).
 
 The recorder patches torch.distributed for the whole process, so those checks run in a child process with a
 one-rank gloo group (and, for which process group each call ran on, two child processes: a two-rank group).
@@ -19,7 +19,8 @@ import importlib, json, os, sys
 import torch, torch.distributed as dist
 from gpucourse import runtime
 ctx = runtime.setup()
-from gpucourse.tools.grading import comm_recorder, jobkit
+from gpucourse.run import comm_recorder
+from gpucourse.tools.grading import jobkit
 log = jobkit.record_writer()
 rec = comm_recorder.install()
 out = {"wrapped": [hasattr(f, "__wrapped__") for f in (dist.all_reduce, dist.send, dist.ProcessGroup.allreduce,
@@ -101,7 +102,7 @@ PAIR = r'''
 import json, sys
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
-from gpucourse.tools.grading import comm_recorder
+from gpucourse.run import comm_recorder
 import torch.distributed._functional_collectives as funcol
 rec = comm_recorder.install()
 rank, other = dist.get_rank(), 1 - dist.get_rank()

@@ -50,6 +50,11 @@ DEVICE_ENV = "GPUCOURSE_DEVICE"
 # runtime.setup() makes its process group on this key prefix of the job's store: a grading job's rank forks one
 # process per submission, each with a process group of its own, one after the other (grading/jobkit.py).
 STORE_PREFIX_ENV = "GPUCOURSE_STORE_PREFIX"
+# `gpucourse dryrun` (run/dryrun.py): DRYRUN_ENV=1 makes runtime.setup() join a fake process group (no peers, no
+# data moved); COUNT_FILE_ENV, in a dry run or a real one, makes each rank count its steps' collectives, memory
+# and FLOPs and write them to that path ("{rank}" in it becomes the rank) when the script ends.
+DRYRUN_ENV = "GPUCOURSE_DRYRUN"
+COUNT_FILE_ENV = "GPUCOURSE_COUNT_FILE"
 
 MANIFEST = "manifest.json"
 RAW_DIR = "raw"

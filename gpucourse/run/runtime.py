@@ -4,11 +4,13 @@
     ctx = runtime.setup(seed=0)          # process group, device, watchdog, error capture
     for step in range(steps):
         ...
-        runtime.log(step=step, total=steps, loss=loss.item())
+        runtime.log(step=step, total=steps, loss=runtime.value(loss))
     runtime.teardown()
 
 It works the same under `gpucourse.launch` (which tells it the run directory through
-$GPUCOURSE_RUN_DIR) and under plain `torchrun` (it then picks `runs/<script>-<run id>/`).
+$GPUCOURSE_RUN_DIR) and under plain `torchrun` (it then picks `runs/<script>-<run id>/`). Under
+`gpucourse dryrun` (run/dryrun.py) setup() joins a fake process group instead and counts each step;
+`value()` then gives None, since no value a dry run computes means anything.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from . import hardware
-from .contract import BACKEND_ENV, EVENT_SETUP, EVENT_TEARDOWN, RUN_DIR_ENV, STORE_PREFIX_ENV, metrics_file, trace_file
+from .contract import (BACKEND_ENV, COUNT_FILE_ENV, DRYRUN_ENV, EVENT_SETUP, EVENT_TEARDOWN, RUN_DIR_ENV,
+                       STORE_PREFIX_ENV, metrics_file, trace_file)
 from .paths import runs_root, slug
 
 
@@ -54,6 +57,20 @@ class Context:
 
 _ctx: Context | None = None
 _metrics_file = None
+_counter = None  # dryrun.StepCounter, when $GPUCOURSE_COUNT_FILE asks this rank to count its steps
+
+
+def dry_run() -> bool:
+    """True in a `gpucourse dryrun` rank: the process group is fake, collectives move nothing, values mean nothing."""
+    return os.environ.get(DRYRUN_ENV) == "1"
+
+
+def value(tensor) -> float | None:
+    """A one-element tensor's value as a float (`.item()`), or None in a dry run, where no value means anything
+    (and a fake tensor has none). Scripts read losses and other values they print or log through this."""
+    if dry_run():
+        return None
+    return tensor.item() if isinstance(tensor, torch.Tensor) else float(tensor)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -197,14 +214,21 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
     _record_uncaught_exceptions()
     atexit.unregister(wait_for_gloo_workers)  # once per process, however often setup() runs
     atexit.register(wait_for_gloo_workers)  # runs before finalization: see wait_for_gloo_workers
-    # The launcher's plan fixed the backend ($GPUCOURSE_BACKEND); under plain torchrun the same rule picks it here.
-    backend, where = hardware.placement(os.environ.get(BACKEND_ENV, "auto"), local_world, local_rank,
-                                        cuda_with_gloo=cuda_with_gloo)
+    if dry_run():  # gpucourse dryrun: no peers, no device; the fake group answers every collective at once
+        backend, where = "fake", "cpu"
+    else:
+        # The launcher's plan fixed the backend ($GPUCOURSE_BACKEND); under plain torchrun the same rule picks it.
+        backend, where = hardware.placement(os.environ.get(BACKEND_ENV, "auto"), local_world, local_rank,
+                                            cuda_with_gloo=cuda_with_gloo)
     device = torch.device(where)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-    if os.environ.get("MASTER_PORT") == "0":  # single process without torchrun: no rendezvous needed
+    if dry_run():
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    elif os.environ.get("MASTER_PORT") == "0":  # single process without torchrun: no rendezvous needed
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
     elif os.environ.get(STORE_PREFIX_ENV):  # one of several process groups in turn (contract.STORE_PREFIX_ENV)
@@ -215,11 +239,23 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
         dist.init_process_group(backend, **kwargs)
     if seed is not None:
         seed_everything(seed + (rank if seed_per_rank else 0))
+    _start_counting(rank, world_size)
     run_dir = default_run_dir()
     _ctx = Context(rank, local_rank, world_size, local_world, _env_int("GROUP_RANK", 0), backend, device, run_dir)
     _write_record({"event": EVENT_SETUP, "world_size": world_size, "backend": backend, "device": str(device),
                    "pid": os.getpid(), "host": os.uname().nodename})
     return _ctx
+
+
+def _start_counting(rank: int, world_size: int) -> None:
+    """$GPUCOURSE_COUNT_FILE (gpucourse dryrun, or a real job the tests compare with one): count every step."""
+    global _counter
+    path = os.environ.get(COUNT_FILE_ENV)
+    if path and _counter is None:
+        from .dryrun import StepCounter
+
+        _counter = StepCounter(path, rank, world_size, dry=dry_run())
+        atexit.register(_counter.finish)  # a script that never calls teardown() still leaves its counts
 
 
 def context() -> Context:
@@ -267,6 +303,8 @@ def log(step: int | None = None, *, total: int | None = None, **metrics) -> None
     record = {k: _plain(v) for k, v in metrics.items()}
     if step is not None:
         record["step"] = int(step)
+        if _counter is not None:
+            _counter.mark(step)
     if total is not None:
         record["total"] = int(total)
     _write_record(record)
@@ -302,6 +340,8 @@ def teardown() -> None:
     report says so (result.py) instead of blaming the run's results.
     """
     global _ctx, _metrics_file
+    if _counter is not None:
+        _counter.finish()
     if _ctx is not None:
         _write_record({"event": EVENT_TEARDOWN})
     if _metrics_file is not None:

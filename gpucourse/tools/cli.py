@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -71,6 +72,31 @@ def _runs(args) -> int:
     return 0
 
 
+def _dryrun(args) -> int:
+    from ..models.costs import SYSTEMS, dryrun_step_time
+    from ..run.dryrun import DryRunFailed, dryrun, format_report
+
+    if args.system not in SYSTEMS:
+        raise UsageError(f"--system {args.system}: choose one of {', '.join(sorted(SYSTEMS))}")
+    if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
+        raise UsageError(f"--json {args.json}: give a file name in a folder that exists")
+    try:
+        result = dryrun(args.script, world=args.world, ranks=args.ranks, args=args.script_args,
+                        timeout=args.timeout)
+    except DryRunFailed as err:
+        print(f"gpucourse dryrun: {err}", file=sys.stderr)
+        return 1
+    for rank in result["ranks"]:
+        rank["predicted"] = dryrun_step_time(rank, system=args.system)
+    if args.json:
+        out = Path(args.json)
+        tmp = out.with_name(out.name + ".tmp")  # whole or not at all, and only once every rank succeeded
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(out)
+    print(format_report(result))
+    return 0
+
+
 def _hardware(args) -> int:
     from ..run.hardware import hardware_report
 
@@ -91,6 +117,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def bad_input_errors() -> tuple[type[Exception], ...]:
     """The exceptions that mean "the request was wrong": each says what was wrong and what to do."""
+    from ..run.dryrun import DryRunError
     from ..run.launcher import LaunchConfigError
     from ..run.slurm import SlurmConfigError
     from .course import CourseError
@@ -99,8 +126,8 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     from .release import ReleaseError
     from .workspace import WorkspaceError
 
-    return (UsageError, LaunchConfigError, ExerciseError, SlurmConfigError, CourseError, ReleaseError, GpuCheckError,
-            WorkspaceError)
+    return (UsageError, DryRunError, LaunchConfigError, ExerciseError, SlurmConfigError, CourseError, ReleaseError,
+            GpuCheckError, WorkspaceError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", help="runs directory (default: runs/ or $GPUCOURSE_RUNS_DIR)")
     p.add_argument("--last", type=positive_int, default=30, help="show the last N runs (default 30)")
     p.set_defaults(func=_runs)
+
+    p = sub.add_parser("dryrun", help="run a script as rank r of a world of N, with a fake process group",
+                       usage="gpucourse dryrun SCRIPT --world N [--rank R]... [--json F] [-- SCRIPT ARGS]")
+    p.add_argument("script")
+    p.add_argument("--world", type=int, required=True, help="ranks in the simulated job (1 to 1,048,576)")
+    p.add_argument("--rank", type=int, action="append", dest="ranks",
+                   help="a rank to simulate (repeat for several; default: the first and the last)")
+    p.add_argument("--json", help="also write the report to this file")
+    p.add_argument("--system", default="h100-sxm", help="the system the step time is modelled on (default h100-sxm)")
+    p.add_argument("--timeout", type=positive_seconds, default=600.0, help="stop after S seconds (default 600)")
+    p.set_defaults(func=_dryrun)
 
     p = sub.add_parser("hardware", help="what this machine has and what the launcher would choose")
     p.set_defaults(func=_hardware)

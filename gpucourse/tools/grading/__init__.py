@@ -4,7 +4,7 @@
     plugin.py         that subprocess's pytest plugin: `points`, `submission`, `timing`, the outcomes file
     records.py        the grader process's side of a grading job: its records and raw results, `check`
     jobkit.py         the rank's side: every grading job's order of events, guard, watchdog and record writer
-    comm_recorder.py  what a submission communicates, recorded through every layer of torch.distributed
+    (what a submission communicates is recorded by gpucourse/run/comm_recorder.py, shared with `gpucourse dryrun`)
     graders/          one grader per exercise, exNN_<name>.py: what runs in the ranks, and the checks of the grader
                       process (pytest tests with `points`); _-prefixed files are what two graders share
 

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves
 
 from gpucourse.run import runtime
 from gpucourse.run.contract import STORE_PREFIX_ENV, metrics_file, raw_file
-from gpucourse.tools.grading import comm_recorder
+from gpucourse.run import comm_recorder
 
 OUTPUT_BUDGET = 10_000  # characters of the submission's own output kept per rank
 RECHECKS, RECHECK_S = 5, 0.02  # an allocation must stay alive this long (0.1 s) to count as kept

@@ -1,0 +1,155 @@
+"""`gpucourse dryrun`: a script as rank r of a world of N with a fake process group, counted in the rank.
+
+True at small scale: at world 2 the dry run's calls and bytes per process group, its model-state bytes, memory
+peak and FLOPs equal what the same script records in a real gloo job (the same counting, run/comm_recorder.py,
+turned on by COUNT_FILE_ENV), and model states equal costs.zero_memory_bytes. Then the capstone at world 1,024
+(smoke sizes), and bad input: one line, exit 2, nothing on disk lost.
+"""
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import gpucourse
+from gpucourse import costs
+from gpucourse.run import dryrun as dr
+from gpucourse.run.contract import COUNT_FILE_ENV
+
+from .conftest import ROOT, run_cli
+
+CAPSTONE = ROOT / "scripts" / "09_gpt_2d.py"
+DDP = ROOT / "scripts" / "03_ddp_train.py"
+SMOKE = {CAPSTONE: ["--steps", "2", "--eval-batches", "0", "--sample", "0", "--layers", "1", "--batch", "4"],
+         DDP: ["--steps", "2", "--warmup", "2", "--profile-steps", "0", "--hidden", "64", "--layers", "2"]}
+# At world 2: the capstone with FSDP over 2 ranks, and with tensor parallelism over 2; DDP over 2.
+CASES = {"capstone-fsdp": (CAPSTONE, ["--dp", "2", "--tp", "1"]), "capstone-tp": (CAPSTONE, ["--dp", "1", "--tp", "2"]),
+         "ddp": (DDP, [])}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def real_and_dry(request, tmp_path_factory):
+    """The script at world 2, really (gloo, counting) and dry (fake group): (case, launch result, real, dry)."""
+    (script, mesh), out = CASES[request.param], tmp_path_factory.mktemp("counts")
+    args = mesh + SMOKE[script]
+    with ThreadPoolExecutor(1) as pool:  # side by side: each spends much of its time starting processes
+        dry = pool.submit(dr.dryrun, script, world=2, ranks=[0, 1], args=args, timeout=180)
+        result = gpucourse.launch(script, nproc=2, args=args, env={COUNT_FILE_ENV: str(out / "rank{rank}.json")},
+                                  live="off", timeout=180, name=f"count-{script.stem}", check=True)
+        dry = dry.result()
+    real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return request.param, result, real, dry["ranks"]
+
+
+def test_dry_counts_equal_the_real_gloo_run(real_and_dry):
+    case, _, real, dry = real_and_dry
+    script = CASES[case][0]
+    for r in range(2):
+        assert dry[r]["rank"] == r and dry[r]["dry"] and not real[r]["dry"]
+        assert dry[r]["step"] == real[r]["step"] == 1  # the last step logged: --steps 2
+        assert dry[r]["comms"], f"{script.name}: rank {r} counted no communication"
+        assert dry[r]["comms"] == real[r]["comms"]
+        assert all(c["group_size"] == len(c["group"]) and c["calls"] > 0 for c in dry[r]["comms"])
+        assert dry[r]["model_states"] == real[r]["model_states"]
+        assert dry[r]["memory"] == real[r]["memory"] and dry[r]["peak_bytes"] == real[r]["peak_bytes"]
+        assert dry[r]["flops"] == real[r]["flops"] > 0
+
+
+def test_model_states_equal_the_zero_formulas(real_and_dry):
+    case, result, _, dry = real_and_dry
+    header = next(rec for rec in result.metrics[0] if "params" in rec)
+    n = header["params"]
+    states = [d["model_states"] for d in dry]
+    total = [s["params"] + s["grads"] + s["optimizer"] for s in states]
+    if case == "capstone-tp":  # no ZeRO stage: the blocks' Linears are split in two, the rest is whole on both
+        assert states[0] == states[1] and 4 * n / 2 < states[0]["params"] < 4 * n
+        assert total[0] == 16 * states[0]["params"] / 4  # fp32 AdamW on what the rank holds: 4 + 4 + 8 bytes
+    elif case == "ddp":  # plain SGD, fp32, replicated: stage 0, no optimizer state
+        expected = costs.zero_memory_bytes(n, 2, 0, param_bytes=4, grad_bytes=4, optimizer_bytes=0)
+        assert total == [expected, expected]
+    else:  # FSDP2 = stage 3, fp32 AdamW (exp_avg, exp_avg_sq): the two ranks' shards add up to the formula x 2
+        expected = costs.zero_memory_bytes(n, 2, 3, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+        assert sum(total) == 2 * expected
+
+
+def test_capstone_at_world_1024(tmp_path):
+    report = tmp_path / "dry.json"
+    proc = run_cli("dryrun", CAPSTONE, "--world", 1024, "--json", report, "--", "--dp", "256", "--tp", "4",
+                   "--batch", "256", *SMOKE[CAPSTONE][:-2], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(report.read_text())
+    assert data["world"] == 1024 and [r["rank"] for r in data["ranks"]] == [0, 1023]
+    last = data["ranks"][1]
+    groups = {(c["op"], c["group_size"]): c for c in last["comms"]}
+    # rank 1023 sits at dp index 255, tp index 3: its tp group is the last 4 ranks, its dp group every 4th rank
+    assert groups[("all_reduce", 4)]["group"] == [1020, 1021, 1022, 1023]
+    assert groups[("all_gather_single", 256)]["group"] == list(range(3, 1024, 4))
+    assert groups[("reduce_scatter_single", 256)]["calls"] > 0
+    assert set(last["memory"]) == set(dr.PARTS) and sum(last["memory"].values()) == last["peak_bytes"] > 0
+    assert last["flops"] > 0 and "rank 1023, step 1" in proc.stdout
+    assert last["predicted"]["label"] == "modelled" and "MODELLED on h100-sxm" in proc.stdout
+
+
+def test_step_time_is_modelled_on_the_links_the_groups_span():
+    """A group inside one node of 8 rides NVLink, one across nodes InfiniBand; compute runs at the peak."""
+    spec = costs.SYSTEMS["h100-sxm"]
+    peak = costs.peak_flops(spec["device"], "bf16")
+    nvlink, ib = (costs.INTERCONNECTS[spec[k]] for k in ("inside", "between"))
+    inside = {"op": "all_reduce", "group_size": 4, "group": [8, 9, 10, 11], "calls": 2, "bytes": 2 * 2**20}
+    across = {"op": "all_gather_single", "group_size": 2, "group": [3, 11], "calls": 1, "bytes": 2**20}
+    got = costs.dryrun_step_time({"flops": peak * 0.5, "comms": [inside, across]})
+    comm = (2 * costs.collective_time("all_reduce", 2**20, 4, nvlink.alpha, nvlink.beta)
+            + costs.collective_time("all_gather", 2**20, 2, ib.alpha, ib.beta))
+    assert got["label"] == "modelled" and got["compute_s"] == pytest.approx(0.5)
+    assert got["comm_s"] == pytest.approx(comm) and got["mfu"] == pytest.approx(0.5 / (0.5 + comm))
+    with pytest.raises(ValueError, match="system must be one of"):
+        costs.dryrun_step_time({"flops": 1, "comms": []}, system="laptop")
+
+
+@pytest.mark.parametrize("cli_args, message", [
+    (["--world", "8", "--", "--dp", "2", "--tp", "2"], "ranks"),  # the script's own check: dp x tp != world
+    (["--world", "2000000"], "from 1 to 1,048,576"),
+    (["--world", "4", "--rank", "4"], "outside a world of 4"),
+], ids=["mesh-not-filled", "absurd-world", "rank-outside"])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, cli_args, message):
+    report = tmp_path / "kept.json"
+    report.write_text("earlier report")
+    script_args = cli_args[cli_args.index("--"):] if "--" in cli_args else []
+    own = cli_args[:cli_args.index("--")] if "--" in cli_args else cli_args
+    proc = run_cli("dryrun", CAPSTONE, *own, "--json", report, *script_args, *SMOKE[CAPSTONE] * bool(script_args))
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
+    assert report.read_text() == "earlier report"
+
+
+def test_a_script_without_the_runtime_is_refused(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("import torch\nprint(torch.ones(2).sum())\n")
+    proc = run_cli("dryrun", script, "--world", "4")
+    assert proc.returncode == 2
+    assert "never calls runtime.setup()" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    with pytest.raises(dr.DryRunError, match="never calls runtime.setup"):
+        gpucourse.dryrun(script, world=4)
+
+
+def test_rank_environment_is_torchruns():
+    env = dr.rank_env(1023, 1024)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == (
+        "1023", "1024", "7", "8", "127")
+    assert dr.rank_env(2, 3)["LOCAL_WORLD_SIZE"] == "3"
+
+
+def test_bytes_follow_nccl_tests():
+    """The recorder's events -> nccl-tests' sizes: the send buffer of an all-to-all, the full all-gather."""
+    events = [
+        {"op": "all_to_all_single", "kind": "collective", "via": "dist.all_to_all_single", "bytes": 64,
+         "tensor_bytes": [64, 32], "groups": [[0, 1]], "peers": []},
+        {"op": "all_gather_tensor", "kind": "collective", "via": "functional_collectives.all_gather_tensor",
+         "bytes": 16, "tensor_bytes": [16], "groups": [[0, 1, 2, 3]], "peers": []},
+        {"op": "send", "kind": "p2p", "via": "dist.send", "bytes": 8, "tensor_bytes": [8], "groups": [[0, 1]],
+         "peers": [1]},
+        {"op": "wait", "kind": "wait", "via": "Work.wait", "bytes": 0, "tensor_bytes": [], "groups": [], "peers": []},
+    ]
+    rows = dr.summarise_comms(events)
+    assert [(r["op"], r["bytes"]) for r in rows] == [("all_to_all_single", 32), ("all_gather_tensor", 64),
+                                                     ("send", 8)]
+    assert rows[2]["peers"] == [1]

@@ -92,6 +92,39 @@ def test_lines_that_matter_are_the_scripts_own(path):
                 f"{path.name} cell {i} says {stated.group(0)}): the box quotes {len(lines)} lines of {len(script.splitlines()) - 1}"
 
 
+# Issue 29: every cell a learner runs (a %%writefile cell aside) within 15 lines, and no line wider than 120
+# columns. Not there yet: each chapter's count may only fall. Lower a ceiling when you shorten a cell.
+CELL_LINES, LINE_COLUMNS = 15, 120
+CEILINGS = {  # chapter: (cells over CELL_LINES, lines over LINE_COLUMNS)
+    "00": (0, 1), "01": (0, 1), "02": (6, 0), "03": (9, 2), "04": (5, 2), "05": (9, 5),
+    "06": (3, 2), "07": (13, 7), "08": (4, 0), "09": (4, 0), "10": (1, 0), "11": (0, 0),
+}
+
+
+def page_debt(path) -> tuple[int, int]:
+    """(code cells over CELL_LINES lines, lines over LINE_COLUMNS columns) among the cells a learner runs."""
+    code = [c.source for c in _cells(path) if c.cell_type == "code" and not WRITEFILE.match(c.source)]
+    return (sum(len(s.splitlines()) > CELL_LINES for s in code),
+            sum(len(line) > LINE_COLUMNS for s in code for line in s.splitlines()))
+
+
+def test_page_debt_counts_long_cells_and_wide_lines_but_not_scripts(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 1\n" * 16), nbformat.v4.new_code_cell("y = '" + "a" * 130 + "'"),
+                nbformat.v4.new_code_cell("%%writefile s.py\n" + "z = 1\n" * 40)]
+    nbformat.write(nb, tmp_path / "99.ipynb")
+    assert page_debt(tmp_path / "99.ipynb") == (1, 1)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_cells_get_shorter_never_longer(path):
+    ceiling = CEILINGS.get(path.name[:2], (0, 0))  # a new chapter starts at zero
+    debt = page_debt(path)
+    assert debt[0] <= ceiling[0] and debt[1] <= ceiling[1], (
+        f"{path.name}: {debt[0]} code cell(s) over {CELL_LINES} lines and {debt[1]} line(s) over {LINE_COLUMNS} "
+        f"columns; at most {ceiling} allowed: split the cell, or move its analysis into the package")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_imports_cell_turns_on_inline_figures(path):
     """The package's charts are Figures built without pyplot: a kernel shows them as '<Figure size ...>' text

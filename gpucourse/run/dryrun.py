@@ -387,35 +387,3 @@ def _kill(proc: subprocess.Popen) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
-
-
-# --- what a person reads ---------------------------------------------------------------------------------------
-def _human(n: float, unit: str = "B") -> str:
-    step = 1024 if unit == "B" else 1000
-    prefixes = ("", "Ki", "Mi", "Gi", "Ti", "Pi") if unit == "B" else ("", "k", "M", "G", "T", "P", "E")
-    i = 0
-    while abs(n) >= step and i < len(prefixes) - 1:
-        n, i = n / step, i + 1
-    return f"{n:.1f} {prefixes[i]}{unit}" if i else f"{n:.0f} {unit}"
-
-
-def format_report(result: dict) -> str:
-    """The report as text: per rank, the step's memory, FLOPs and communication."""
-    lines = [f"dry run of {Path(result['script']).name} at world {result['world']:,} (fake process group: "
-             "counted, not measured; no time is modelled)"]
-    for r in result["ranks"]:
-        parts = ", ".join(f"{k} {_human(v)}" for k, v in r["memory"].items())
-        lines.append(f"rank {r['rank']}, step {r['step']}: peak {_human(r['peak_bytes'])} ({parts}); "
-                     f"{_human(r['flops'], 'FLOP')}")
-        if r.get("predicted"):
-            p = r["predicted"]
-            lines.append(f"  MODELLED on {p['system']} ({p['device']}, {p['dtype']}): step {p['step_s'] * 1e3:.3g} ms "
-                         f"(compute {p['compute_s'] * 1e3:.3g} ms + communication {p['comm_s'] * 1e3:.3g} ms), MFU "
-                         f"{p['mfu']:.1%}; assumes {p['assumes']}")
-        for c in r["comms"]:
-            group = c["group"] or []
-            shown = (f"{group[:4]}"[:-1] + ", ...]" if len(group) > 4 else f"{group}")
-            peers = f" peers {c['peers']}" if "peers" in c else ""
-            lines.append(f"  {c['op']:<24} group of {c['group_size']:>5} {shown}{peers}: {c['calls']} call(s), "
-                         f"{_human(c['bytes'])}")
-    return "\n".join(lines)

@@ -74,7 +74,8 @@ def _runs(args) -> int:
 
 def _dryrun(args) -> int:
     from ..models.costs import SYSTEMS, dryrun_step_time
-    from ..run.dryrun import DryRunFailed, dryrun, format_report
+    from ..run.dryrun import DryRunFailed, dryrun
+    from ..viz.reports import dryrun_text
 
     if args.system not in SYSTEMS:
         raise UsageError(f"--system {args.system}: choose one of {', '.join(sorted(SYSTEMS))}")
@@ -93,7 +94,7 @@ def _dryrun(args) -> int:
         tmp = out.with_name(out.name + ".tmp")  # whole or not at all, and only once every rank succeeded
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(out)
-    print(format_report(result))
+    print(dryrun_text(result))
     return 0
 
 

@@ -156,7 +156,7 @@ def test_a_new_exercise_needs_only_its_own_files(tmp_path, runs_dir):
     (course / "notebooks").mkdir()  # how the package knows its checkout (paths.project_root)
     # The new exercise's own files, and nothing else.
     (course / "solutions" / "ex99_mean.py").write_text(SOLUTION)
-    (course / "gpucourse" / "grading" / "graders" / "ex99_mean.py").write_text(GRADER)
+    (course / "gpucourse" / "tools" / "grading" / "graders" / "ex99_mean.py").write_text(GRADER)
     (course / "tests" / "mutants" / "ex99_mean.diff").write_text(MUTANTS)
 
     env = {**os.environ, "PYTHONPATH": str(course), "GPUCOURSE_GRADE_TIMING": "report"}

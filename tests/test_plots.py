@@ -376,6 +376,9 @@ def test_tp_cost_plot_groups_compute_and_one_bar_per_link_per_degree():
     assert legend_texts(ax) == ["compute (assumed throughput)", "communication, NVLink", "communication, IB"]
     heights = [p.get_height() for p in ax.patches]
     assert heights == pytest.approx([0.5, 0.02, 0.2, 0.25, 0.04, 0.4, 0.125, 0.08, 0.8])  # ms, by degree
+    fig.canvas.draw()  # tick labels are plain numbers, never 3×10⁻¹-style
+    labels = [t.get_text() for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True) if t.get_text()]
+    assert labels and not any("10^" in t or "times" in t or "×" in t for t in labels), labels
 
 
 def test_restart_plot_a_line_per_attempt_over_the_uninterrupted_run():

@@ -1,4 +1,6 @@
-"""The tables chapters show (gpucourse/viz/tables.py), built from hand-made records."""
+"""The tables chapters show (gpucourse/viz/tables.py), built from hand-made records: values and headers."""
+import math
+
 import pytest
 
 from gpucourse.models import costs
@@ -48,3 +50,198 @@ def test_link_times_puts_this_machine_beside_the_nominal_links():
     nvlink = costs.INTERCONNECTS["NVLink 4 (H100 SXM)"]
     assert df.loc[nvlink.name, "1 MiB (µs)"] == round(
         costs.collective_time("all_reduce", 2**20, 2, nvlink.alpha, nvlink.beta) * 1e6, 1)
+
+
+# --- chapter 02 ---------------------------------------------------------------------------------------
+def test_equivalence_has_a_row_per_variant_and_a_column_per_step():
+    df = tables.equivalence({"mean": [1e-8, 2e-8], "sum": [0.5, 0.7]})
+    assert list(df.columns) == ["step 1", "step 2"] and df.columns.name == "max |Δθ| after"
+    assert df.loc["sum", "step 2"] == 0.7 and df.loc["mean", "step 1"] == 1e-8
+    with pytest.raises(ValueError, match="variant"):
+        tables.equivalence({})
+
+
+def test_sampler_shards_name_the_padding_and_the_dropped():
+    shards = {("with set_epoch", 0): {0: [4, 1, 0], 1: [2, 3, 4]}, ("drop_last", 0): {0: [3, 1], 1: [0, 2]}}
+    df = tables.sampler_shards(shards, items=5)
+    assert list(df.columns) == ["rank 0", "rank 1", "read twice", "read by none"]
+    assert df.loc[("with set_epoch", 0), "read twice"] == [4] and df.loc[("with set_epoch", 0), "read by none"] == []
+    assert df.loc[("drop_last", 0), "read by none"] == [4] and df.loc[("drop_last", 0), "rank 1"] == [0, 2]
+
+
+def test_accumulation_reads_the_last_profiled_step_and_the_worst_difference():
+    records = [{"mode": "big", "max_diff": 0.0}, {"mode": "every", "max_diff": 2e-7},
+               {"mode": "every", "max_diff": 1e-7}, {"step": 3}]
+    comm = {"big": [(2, 4096), (2, 4096)], "every": [(8, 16384), (8, 16384)]}
+    df = tables.accumulation(records, comm)
+    assert list(df.columns) == ["all_reduces / step", "KiB / step", "max |Δθ| vs big",
+                                "profiled steps (calls, bytes)"]
+    assert df.loc["every", "all_reduces / step"] == 8 and df.loc["every", "KiB / step"] == 16.0
+    assert df.loc["every", "max |Δθ| vs big"] == 2e-7 and df.loc["big", "max |Δθ| vs big"] == 0.0
+
+
+def test_precision_merges_a_modes_records_and_keeps_what_did_not_run():
+    rec = {"output_dtype": "torch.float32", "param_dtype": "torch.float32", "grad_dtype": "torch.float32",
+           "scaler": False}
+    records = [{"mode": "fp32", "max_diff": 0.0, **rec}, {"mode": "fp16_hook", "max_diff": 1e-4, **rec},
+               {"mode": "fp16_hook", "max_diff": 3e-4, **rec}, {"mode": "fp16", "error": "RuntimeError: no"}]
+    df = tables.precision(records, {"fp32": (2, 2048), "fp16_hook": (2, 1024)})
+    assert list(df.index) == ["fp32", "fp16_hook", "fp16"]
+    assert df.loc["fp16_hook", "KiB / step"] == 1.0 and df.loc["fp32", "KiB / step"] == 2.0
+    assert df.loc["fp16_hook", "max |Δθ| vs fp32"] == 3e-4 and df.loc["fp16", "not run"] == "RuntimeError: no"
+    assert not df.loc["fp32", "GradScaler"] and df.loc["fp32", "params"] == "torch.float32"
+    assert str(df["all_reduces / step"].dtype) == "Int64" and df.loc["fp32", "all_reduces / step"] == 2
+
+
+def test_ddp_compare_skips_the_first_step_in_the_median():
+    rows = [{"loss": {"torch DDP": 2.0, "yours": 2.0}, "seconds": {"torch DDP": 9.0, "yours": 9.0},
+             "max_diff": {"yours": 1e-7}}]
+    rows += [{"loss": {"torch DDP": 1.0 - s / 10, "yours": 1.0 - s / 10}, "seconds": {"torch DDP": s / 1e3,
+             "yours": 2 * s / 1e3}, "max_diff": {"yours": 3e-7}} for s in (1, 2, 3)]
+    df = tables.ddp_compare(rows)
+    assert list(df.columns) == ["final loss", "median step (ms)", "max |Δθ| vs torch DDP"]
+    assert math.isclose(df.loc["torch DDP", "median step (ms)"], 2.0)
+    assert math.isclose(df.loc["yours", "median step (ms)"], 4.0)
+    assert df.loc["yours", "max |Δθ| vs torch DDP"] == 3e-7 and df.loc["torch DDP", "max |Δθ| vs torch DDP"] == 0
+    assert math.isclose(df.loc["yours", "final loss"], 0.7)
+    with pytest.raises(ValueError, match="two steps"):
+        tables.ddp_compare(rows[:1])
+
+
+# --- chapter 08 ---------------------------------------------------------------------------------------
+def test_whoami_has_a_row_per_rank_in_rank_order():
+    def me(rank, node):
+        return [{"RANK": rank, "GROUP_RANK": node, "LOCAL_RANK": rank % 2, "WORLD_SIZE": 4, "agent_pid": 100 + node,
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}, {"ranks_seen": [0, 1, 2, 3]}]
+    df = tables.whoami({3: me(3, 1), 0: me(0, 0), 1: me(1, 0), 2: me(2, 1)})
+    assert list(df.index) == [0, 1, 2, 3] and df.index.name == "RANK"
+    assert list(df.columns) == ["GROUP_RANK", "LOCAL_RANK", "WORLD_SIZE", "agent pid", "rendezvous"]
+    assert df.loc[3, "GROUP_RANK"] == 1 and df.loc[3, "agent pid"] == 101 and df.loc[2, "rendezvous"] == "127.0.0.1:29500"
+
+
+def test_process_outcomes_show_each_exit_and_the_exception_line():
+    out = {"right": [(0, "rank 0 ok\n"), (0, "rank 1 ok\n")],
+           "wrong port": [(1, "Traceback:\n  x\ntorch.distributed.DistStoreError: Timed out after 10s\n[W] frames")]}
+    df = tables.process_outcomes(out)
+    assert list(df.columns) == ["exit code", "last words"]
+    assert df.loc[("right", 1), "last words"] == "rank 1 ok"
+    assert df.loc[("wrong port", 0), "exit code"] == 1
+    assert df.loc[("wrong port", 0), "last words"] == "torch.distributed.DistStoreError: Timed out after 10s"
+
+
+def test_placement_gives_milliseconds_and_the_ratio():
+    df = tables.placement({"TP": (0.00123, 0.0246), "DP": (0.5, 2.0)})
+    assert list(df.columns) == ["inside a node (ms)", "across nodes (ms)", "across / inside (×)"]
+    assert df.loc["TP", "inside a node (ms)"] == 1.2 and df.loc["TP", "across nodes (ms)"] == 24.6
+    assert df.loc["TP", "across / inside (×)"] == 20 and df.loc["DP", "across / inside (×)"] == 4
+
+
+def test_attempt_logs_read_every_attempts_folder(tmp_path):
+    class Run:  # what attempt_logs reads of a RunResult
+        run_dir = tmp_path
+
+        def log(self, rank, attempt):
+            return f"attempt {attempt} rank {rank} step 1\nstep 2\n"
+
+    for k in (0, 1):
+        (tmp_path / "logs" / f"attempt{k}").mkdir(parents=True)
+    df = tables.attempt_logs(Run(), ranks=2)
+    assert list(df.index) == [(0, 0), (0, 1), (1, 0), (1, 1)] and list(df.columns) == ["printed"]
+    assert df.loc[(1, 0), "printed"] == "attempt 1 rank 0 step 1 | step 2"
+
+
+# --- chapter 04 ---------------------------------------------------------------------------------------
+RULES = {"keep": "(a) keep η", "warmup": "(c) warmup"}
+
+
+def run(rule, lr, accs, losses, final_loss=0.5):
+    head = {"global_batch": 64, "base_lr": 0.1, "target_lr": lr}
+    pts = [{"epoch": e, "opt_step": 10 * i, "step_losses": ls, "test_acc": a, "test_loss": final_loss,
+            "seconds": 1.25 * i} for i, (e, a, ls) in enumerate(zip((0.0, 0.5, 1.0, 2.0), accs, losses))]
+    return {"header": {**head, "rule": rule}, "points": pts}
+
+
+def large_batch_runs():
+    losses = ([], [2.3, 2.5], [1.0], [0.5])
+    base = run("keep", 0.1, (0.1, 0.5, 0.7, 0.9), losses)
+    return {1: {"keep": base}, 2: {"keep": run("keep", 0.1, (0.1, 0.4, 0.6, 0.8), losses),
+                                   "warmup": run("warmup", 0.2, (0.1, 0.1, 0.1, 0.1), ([], [9.0], [8.0], [7.0]),
+                                                 final_loss=float("nan"))}}, base
+
+
+def test_large_batch_runs_have_a_row_per_world_size_and_rule():
+    runs, _ = large_batch_runs()
+    df = tables.large_batch_runs(runs, names=RULES, early=0.5)
+    assert list(df.columns) == ["global batch", "lr (after warmup)", "steps", "loss: step 1", "max, epoch 1",
+                                "test acc @ epoch 0.5", "final test acc", "final test loss", "time (s)"]
+    assert list(df.index) == [(1, "baseline (all rules are one)"), (2, "(a) keep η"), (2, "(c) warmup")]
+    row = df.loc[(2, "(c) warmup")]
+    assert row["lr (after warmup)"] == 0.2 and row["steps"] == 30 and row["max, epoch 1"] == 9.0
+    assert df.loc[(1, "baseline (all rules are one)"), "time (s)"] == 3.8  # 3.75 at one decimal
+
+
+def test_large_batch_vs_baseline_gives_differences_and_divergence():
+    runs, base = large_batch_runs()
+    df = tables.large_batch_vs_baseline(runs, base, names=RULES, early=0.5)
+    assert list(df.index) == [(2, "(a) keep η"), (2, "(c) warmup")]
+    assert df.loc[(2, "(a) keep η"), "Δ vs 1 rank (early)"] == -0.1
+    assert df.loc[(2, "(a) keep η"), "Δ vs 1 rank (final)"] == -0.1
+    assert not df.loc[(2, "(a) keep η"), "diverged"] and df.loc[(2, "(c) warmup"), "diverged"]
+    assert df.loc[(2, "(c) warmup"), "loss: step 1"] == 9.0
+
+
+def test_sgd_assumptions_table_shows_percent_and_the_noise_scale():
+    measured = {"initial weights": {"g2": 4.0, "b_noise": {32: 8.0, 64: 8.81234}, "trace": 8.4,
+                                    "noise_scale": 2.1, "ks": {2: 0.05, 4: 0.2549}}}
+    df = tables.sgd_assumptions(measured)
+    assert list(df.columns) == ["‖G‖²", "B×noise, B=32", "B×noise, B=64", "noise scale (samples)",
+                                "k=2: k steps vs one (%)", "k=4: k steps vs one (%)"]
+    assert df.loc["initial weights", "k=4: k steps vs one (%)"] == 25.0
+    assert df.loc["initial weights", "noise scale (samples)"] == 2.1
+    assert df.loc["initial weights", "B×noise, B=64"] == 8.81  # three significant digits
+
+
+# --- chapter 06 ---------------------------------------------------------------------------------------
+def tp_metrics():
+    def rec(diffs, calls):
+        return {"case": "row", "shapes": {"W": [8, 4]}, "diffs": diffs, "calls": calls}
+    call = {"phase": "forward", "op": "all_reduce", "bytes": 2048}
+    return {1: {0: [{"case": "impl"}, rec({"Y": 0.0, "partial": 0.0}, [])]},
+            2: {0: [rec({"Y": 1e-7, "partial": 0.5}, [call])], 1: [rec({"Y": 3e-5, "partial": 0.4}, [call])]}}
+
+
+def test_tp_check_takes_the_worst_rank_and_names_what_differs():
+    df = tables.tp_check(tp_metrics(), "row", tol=1e-5, skip=("partial",))
+    assert list(df.columns) == ["shapes", "Y", "partial", "verdict", "collectives (rank 0)"]
+    assert df.loc[2, "Y"] == 3e-5 and df.loc[2, "partial"] == 0.5  # rank 1's Y, rank 0's partial
+    assert df.loc[2, "verdict"] == "DIFFERENT from dense: Y" and df.loc[1, "verdict"] == "all within 1e-05 of dense"
+    assert df.loc[2, "collectives (rank 0)"] == "forward: all_reduce 2 KiB" and df.loc[1, "collectives (rank 0)"] == "none"
+
+
+def test_tp_block_traffic_checks_one_all_reduce_each_way_of_the_formulas_size():
+    size = 2 * 4 * 8 * 4
+    ok = [{"phase": "forward", "op": "all_reduce", "bytes": size}, {"phase": "backward", "op": "all_reduce", "bytes": size}]
+    records = {1: {"mlp": {"calls": []}, "attention": {"calls": []}},
+               2: {"mlp": {"calls": ok}, "attention": {"calls": ok + [{"phase": "forward", "op": "all_gather", "bytes": 8}]}}}
+    df = tables.tp_block_traffic(records, batch=2, seq=4, hidden=8)
+    assert list(df.columns) == ["forward all-reduces", "backward all-reduces", "bytes each (run)",
+                                "b·s·h·4 (bytes, formula)", "sent per rank per all-reduce", "Megatron's count"]
+    assert df.loc[(1, "mlp"), "Megatron's count"] == "matches" and df.loc[(2, "mlp"), "Megatron's count"] == "matches"
+    assert df.loc[(2, "attention"), "Megatron's count"] == "DIFFERS"
+    assert df.loc[(2, "mlp"), "bytes each (run)"] == str(size) and df.loc[(2, "mlp"), "b·s·h·4 (bytes, formula)"] == size
+    assert df.loc[(2, "mlp"), "sent per rank per all-reduce"] == "256 B"  # 2(N-1)/N × 256 B on 2 ranks
+
+
+def test_comm_counts_list_each_phases_collectives():
+    df = tables.comm_counts({"DTensor": {"diffs": {"Y": 1e-7}, "comms": {"forward": {"all_reduce": 1}, "backward": {}}},
+                             "yours": {"diffs": {}, "comms": {}}})
+    assert list(df.columns) == ["Y", "forward collectives", "backward collectives"]
+    assert df.loc["DTensor", "forward collectives"] == "all_reduce ×1" and df.loc["DTensor", "backward collectives"] == "none"
+    assert df.loc["yours", "forward collectives"] == "none"
+
+
+def test_tp_cost_gives_ms_and_the_ratio_per_degree_and_link():
+    df = tables.tp_cost({(2, "NVLink 4 (H100 SXM)"): (0.004, 0.001), (2, "100 GbE"): (0.004, 0.02)})
+    assert list(df.columns) == ["compute (ms)", "link (GB/s, nominal)", "4 all-reduces (ms)", "comm / compute"]
+    assert df.loc[(2, "100 GbE"), "comm / compute"] == 5.0 and df.loc[(2, "NVLink 4 (H100 SXM)"), "compute (ms)"] == 4.0
+    assert df.loc[(2, "100 GbE"), "link (GB/s, nominal)"] == 12  # 100 Gbit/s

@@ -422,3 +422,22 @@ def test_compute_spans_start_after_the_last_barrier_and_overlapped_blocks_split_
     assert bars[1][1] == pytest.approx(bars[1][0] / 2)  # the block's two actions share the row's height
     assert fig._suptitle.get_text() == "cpu · gloo · 2 ranks"
     assert [ax.get_title() for ax in fig.axes[:2]] == ["measured", "modelled"]
+
+
+def test_all_reduces_per_step_counts_calls_and_bytes_inside_each_step(tmp_path):
+    from gpucourse.models.traces import all_reduces_per_step
+
+    def shaped(ts, dims, dtype):
+        return {**gloo(ts, 5), "args": {"Input Dims": [dims], "Input type": [dtype]}}
+
+    events = [step(1, 0, 100), step(2, 100, 100), shaped(10, [256], "float"), shaped(50, [8, 8], "float"),
+              shaped(120, [256], "c10::BFloat16"), shaped(250, [4], "float")]  # the last is outside any step
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert all_reduces_per_step(path) == [(2, 1024 + 256), (1, 512)]
+    no_shapes = [step(1, 0, 100), gloo(10, 5)]  # gloo on CUDA tensors: counted, bytes unknown
+    path.write_text(json.dumps({"traceEvents": no_shapes}))
+    assert all_reduces_per_step(path) == [(1, None)]
+    path.write_text(json.dumps({"traceEvents": [step(1, 0, 100)]}))
+    with pytest.raises(TraceError, match="no all_reduce events"):
+        all_reduces_per_step(path)

@@ -506,3 +506,40 @@ def idle(timeline: dict) -> tuple[float, float, float]:
     busy = [sum(end - start for _, start, end in spans) for spans in timeline.values()]
     return step, sum(1 - b / step for b in busy) / len(busy), sum((step - b) / b for b in busy) / len(busy)
 
+
+
+# --- all-reduces counted per profiled step (chapter 02) ------------------------------------------------
+ELEMENT_BYTES = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "double": 8, "Float": 4, "Half": 2, "BFloat16": 2}
+
+
+def _all_reduce_bytes(event: dict) -> int | None:
+    """Bytes of one all-reduce event: NCCL's element count, or gloo's recorded input shape; None if neither."""
+    a = event.get("args", {})
+    if "In msg nelems" in a:
+        return a["In msg nelems"] * ELEMENT_BYTES.get(str(a.get("dtype")), 4)
+    if "Input Dims" in a:
+        return math.prod(a["Input Dims"][0]) * ELEMENT_BYTES[a["Input type"][0]]
+    return None
+
+
+def all_reduces_per_step(path: str | Path) -> list[tuple[int, int | None]]:
+    """[(all_reduce calls, bytes)] for each profiled step (`ProfilerStep#N` window) of one rank's chrome trace.
+
+    CPU/gloo traces: the `gloo:all_reduce` events that start inside the step's window, their recorded shapes and
+    dtypes giving the bytes. GPU/NCCL traces: the `record_param_comms` events of all_reduces, with their element
+    count and dtype. gloo on CUDA tensors records no shapes: calls are counted, bytes are None.
+    """
+    events = [e for e in load_trace(path)["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events  # CPU markers: a GPU trace repeats them on the GPU
+                   if e["name"].startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation")
+    comm = [e for e in events if e["name"] == "gloo:all_reduce"] or [
+        e for e in events if e["name"] == "record_param_comms"
+        and str(e.get("args", {}).get("Collective name", "")).startswith("allreduce")]
+    if not comm:
+        raise TraceError(f"{path} holds no all_reduce events (neither gloo:all_reduce nor NCCL's "
+                         "record_param_comms): was the run profiled with record_shapes=True?")
+    out = []
+    for start, end in steps:
+        sizes = [_all_reduce_bytes(e) for e in comm if start <= e["ts"] < end]
+        out.append((len(sizes), None if None in sizes else sum(sizes)))
+    return out

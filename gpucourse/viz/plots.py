@@ -670,7 +670,7 @@ def tp_cost_plot(model: dict, *, title: str = ""):
             ax.bar(i + j * width, model[tp, link][1] * 1e3, width, color=RANK_COLOURS[j % len(RANK_COLOURS)],
                    label=f"communication, {link}" if i == 0 else None)
     ax.set_xticks([i + width * len(links) / 2 for i in range(len(degrees))], [f"TP = {tp}" for tp in degrees])
-    ax.set_yscale("log")
+    _log_y(ax)  # plain numbers (0.5, 1, 2, 5 ms), never 3×10⁰
     ax.set(ylabel="ms per layer (forward + backward)", title=title)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig

@@ -6,13 +6,17 @@ mid-word, no cell's text cut short), units in the column headers, built from a r
 """
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
-from ..models import costs
+from ..models import costs, training
+from ..models.units import human_bytes
+from ..run.contract import attempts as attempts_of
+from ..run.procs import last_words
 
 # A chapter's table shows each cell whole (pandas cuts text at 50 characters by default); HTML wraps it.
 pd.set_option("display.max_colwidth", None)
-from ..models.units import human_bytes
 
 
 BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
@@ -81,3 +85,244 @@ def link_times(op: str, sizes: list[int], n: int, measured: dict, fit: costs.Alp
     rows.append({"link": "this machine (measured)", "α (µs)": fit.alpha * 1e6, "GB/s": fit.bandwidth / 1e9,
                  **{f"{human_bytes(s)} (µs)": measured[s] * 1e6 for s in sizes}})
     return pd.DataFrame(rows).set_index("link").round(1)
+
+
+# --- chapter 02: data parallelism ---------------------------------------------------------------------
+def _kib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else round(nbytes / 1024, 1)
+
+
+def equivalence(diffs: dict[str, list[float]]) -> pd.DataFrame:
+    """One row per variant (mean, sum, batchnorm, ...), one column per step: the largest |parameter difference|
+    between DDP and one process after that step. diffs: {variant: [after step 1, after step 2, ...]}."""
+    if not diffs:
+        raise ValueError("equivalence needs {variant: [max difference after each step]}")
+    steps = max(len(v) for v in diffs.values())
+    df = pd.DataFrame.from_dict({v: list(d) + [None] * (steps - len(d)) for v, d in diffs.items()}, orient="index",
+                                columns=[f"step {s + 1}" for s in range(steps)])
+    df.columns.name = "max |Δθ| after"
+    return df.rename_axis("variant")
+
+
+def sampler_shards(shards: dict, items: int) -> pd.DataFrame:
+    """One row per (mode, epoch) of the sampler demo: the indices each rank read, the indices read twice (the
+    padding) and those no rank read (drop_last). shards: {(mode, epoch): {rank: [indices]}}; items: dataset size."""
+    rows = []
+    for (mode, epoch), by_rank in shards.items():
+        every = [i for idx in by_rank.values() for i in idx]
+        rows.append({"mode": mode, "epoch": epoch, **{f"rank {r}": idx for r, idx in by_rank.items()},
+                     "read twice": sorted({i for i in every if every.count(i) > 1}),
+                     "read by none": sorted(set(range(items)) - set(every))})
+    return pd.DataFrame(rows).set_index(["mode", "epoch"])
+
+
+def accumulation(records: list[dict], comm: dict[str, list[tuple]]) -> pd.DataFrame:
+    """One row per accumulation mode (big, every, no_sync): all-reduce calls and KiB of the last profiled step,
+    the largest parameter difference from one big batch over the run, and every profiled step's (calls, bytes).
+    records: rank 0's records ({"mode", "max_diff"}); comm: {mode: traces.all_reduces_per_step(...)}."""
+    worst: dict[str, float] = {}
+    for rec in records:
+        if "mode" in rec:
+            worst[rec["mode"]] = max(worst.get(rec["mode"], 0.0), rec["max_diff"])
+    rows = [{"mode": mode, "all_reduces / step": steps[-1][0], "KiB / step": _kib(steps[-1][1]),
+             "max |Δθ| vs big": worst[mode], "profiled steps (calls, bytes)": steps} for mode, steps in comm.items()]
+    return pd.DataFrame(rows).set_index("mode")
+
+
+def precision(records: list[dict], comm: dict[str, tuple]) -> pd.DataFrame:
+    """One row per precision mode (fp32, autocast, fp16_hook, ...): dtypes of the output, parameters and
+    gradients, whether a GradScaler ran, all-reduce calls and KiB of the last profiled step, and the largest
+    parameter difference from fp32 over the run; a mode that could not run here has only its "not run" reason.
+    records: rank 0's records; comm: {mode: (calls, bytes)} of the last profiled step, for the modes that ran."""
+    merged: dict[str, dict] = {}
+    for rec in records:
+        if "mode" in rec:
+            seen = merged.get(rec["mode"], {})
+            merged[rec["mode"]] = {**seen, **rec, "worst": max(seen.get("worst", 0.0), rec.get("max_diff", 0.0))}
+    rows = []
+    for mode, rec in merged.items():
+        if "error" in rec:
+            rows.append({"mode": mode, "not run": rec["error"]})
+            continue
+        calls, nbytes = comm[mode]
+        rows.append({"mode": mode, "output": rec["output_dtype"], "params": rec["param_dtype"],
+                     "grads": rec["grad_dtype"], "GradScaler": bool(rec["scaler"]), "all_reduces / step": calls,
+                     "KiB / step": _kib(nbytes), "max |Δθ| vs fp32": rec["worst"], "not run": ""})
+    df = pd.DataFrame(rows).set_index("mode")
+    if "all_reduces / step" in df:  # whole numbers, blank where a mode did not run
+        df["all_reduces / step"] = df["all_reduces / step"].astype("Int64")
+    return df
+
+
+def ddp_compare(rows: list[dict]) -> pd.DataFrame:
+    """One row per implementation (torch DDP, your DDP, your BucketedDDP): the last step's loss, the median step
+    time over every step but the first (ms), the largest |parameter difference| from torch's DDP over the run
+    (loss to 4 decimals, ms to 2).
+    rows: rank 0's records of 02_ddp_compare.py ({"loss", "seconds", "max_diff"}: dicts by implementation)."""
+    if len(rows) < 2:
+        raise ValueError("ddp_compare needs the records of at least two steps (the first is not timed)")
+    timed = rows[1:]
+    out = [{"implementation": name, "final loss": rows[-1]["loss"][name],
+            "median step (ms)": sorted(r["seconds"][name] for r in timed)[len(timed) // 2] * 1e3,
+            "max |Δθ| vs torch DDP": max(r["max_diff"].get(name, 0.0) for r in rows)} for name in rows[0]["loss"]]
+    return pd.DataFrame(out).set_index("implementation").round({"final loss": 4, "median step (ms)": 2})
+
+
+# --- chapter 08: multi-node, faults and hangs -------------------------------------------------------
+def whoami(metrics: dict) -> pd.DataFrame:
+    """One row per rank: the ids torchrun gave it (GROUP_RANK is its node, LOCAL_RANK its place on the node),
+    its agent's pid and the rendezvous address. metrics: {rank: records}, each rank's first record holding them."""
+    rows = [{"RANK": me["RANK"], "GROUP_RANK": me["GROUP_RANK"], "LOCAL_RANK": me["LOCAL_RANK"],
+             "WORLD_SIZE": me["WORLD_SIZE"], "agent pid": me["agent_pid"],
+             "rendezvous": f"{me['MASTER_ADDR']}:{me['MASTER_PORT']}"}
+            for me in (metrics[r][0] for r in sorted(metrics))]
+    return pd.DataFrame(rows).set_index("RANK")
+
+
+def process_outcomes(outcome: dict[str, list[tuple[int, str]]]) -> pd.DataFrame:
+    """One row per process started by hand, by case: its exit code and the line to read first (its last
+    exception line, procs.last_words). outcome: {case: [(exit code, output), ...]}."""
+    rows = [{"case": case, "process": i, "exit code": code, "last words": last_words(text)}
+            for case, procs in outcome.items() for i, (code, text) in enumerate(procs)]
+    return pd.DataFrame(rows).set_index(["case", "process"])
+
+
+def placement(times: dict[str, tuple[float, float]]) -> pd.DataFrame:
+    """One row per communication of a layout: its modelled time inside a node and across nodes (ms), and how
+    many times slower across is. times: {what: (seconds inside, seconds across)}."""
+    rows = [{"communication": name, "inside a node (ms)": round(inside * 1e3, 1),
+             "across nodes (ms)": round(across * 1e3, 1), "across / inside (×)": round(across / inside)}
+            for name, (inside, across) in times.items()]
+    return pd.DataFrame(rows).set_index("communication")
+
+
+def attempt_logs(result, ranks: int) -> pd.DataFrame:
+    """One row per (attempt, rank) of a run torchrun restarted: what the rank printed, lines joined by " | ".
+    result: a RunResult (the attempts that left a log folder in its run folder, and .log(rank, attempt=K))."""
+    rows = [{"attempt": k, "rank": r, "printed": " | ".join(result.log(r, attempt=k).strip().splitlines())}
+            for k in attempts_of(result.run_dir) for r in range(ranks)]
+    return pd.DataFrame(rows).set_index(["attempt", "rank"])
+
+
+# --- chapter 04: large batches ----------------------------------------------------------------------
+def large_batch_runs(runs: dict, *, names: dict, early: float) -> pd.DataFrame:
+    """One row per (world size, rule): global batch, learning rate (after warmup), optimizer steps, the first
+    step's loss and the largest step loss of epoch 1, test accuracy at epoch `early` and at the end, the final
+    test loss and the run's seconds. runs: {world size: training.curves(...)}; names: {rule: its name}; a
+    1-rank run is the baseline (all rules are one there)."""
+    rows = []
+    for n, by_rule in runs.items():
+        for rule, run in by_rule.items():
+            h, pts = run["header"], run["points"]
+            rows.append({"ranks": n, "rule": "baseline (all rules are one)" if n == 1 else names[rule],
+                         "global batch": h["global_batch"],
+                         "lr (after warmup)": h["target_lr"] if rule != "keep" else h["base_lr"],
+                         "steps": pts[-1]["opt_step"], "loss: step 1": training.first_loss(pts),
+                         "max, epoch 1": training.early_max_loss(pts),
+                         f"test acc @ epoch {early:.2g}": training.at_epoch(pts, early)["test_acc"],
+                         "final test acc": pts[-1]["test_acc"], "final test loss": pts[-1]["test_loss"],
+                         "time (s)": pts[-1]["seconds"]})
+    return pd.DataFrame(rows).set_index(["ranks", "rule"]).round(
+        {"loss: step 1": 2, "max, epoch 1": 2, f"test acc @ epoch {early:.2g}": 3, "final test acc": 3,
+         "final test loss": 3, "time (s)": 1})
+
+
+def large_batch_vs_baseline(runs: dict, baseline: dict, *, names: dict, early: float) -> pd.DataFrame:
+    """One row per (world size > 1, rule): test accuracy at epoch `early` and at the end, each with its
+    difference from the 1-rank baseline, the first step's loss, the largest step loss of epoch 1, and whether
+    the run diverged (final test loss not finite, or accuracy under 0.15: chance is 0.1). runs: {world size:
+    training.curves(...)}; baseline: the 1-rank run's curve; names: {rule: its name}."""
+    base = baseline["points"]
+    early_base, final_base = training.at_epoch(base, early)["test_acc"], base[-1]["test_acc"]
+    rows = []
+    for n, by_rule in runs.items():
+        for rule in (names if n > 1 else ()):
+            pts = by_rule[rule]["points"]
+            acc_early, acc_final = training.at_epoch(pts, early)["test_acc"], pts[-1]["test_acc"]
+            rows.append({"ranks": n, "rule": names[rule], f"test acc @ epoch {early:.2g}": acc_early,
+                         "Δ vs 1 rank (early)": acc_early - early_base, "final test acc": acc_final,
+                         "Δ vs 1 rank (final)": acc_final - final_base, "loss: step 1": training.first_loss(pts),
+                         "max, epoch 1": training.early_max_loss(pts),
+                         "diverged": not math.isfinite(pts[-1]["test_loss"]) or acc_final < 0.15})
+    return pd.DataFrame(rows).set_index(["ranks", "rule"]).round(3)
+
+
+def sgd_assumptions(measured: dict) -> pd.DataFrame:
+    """One row per state of the weights: ‖G‖², B × mean ‖g_B − G‖² per batch size B (constant in B where the
+    noise goes as 1/B), the noise scale tr(Σ)/‖G‖² (samples), each to three significant digits, and how far k
+    small steps end from one k× step (% of that step, whole). measured: training.sgd_assumptions(...)."""
+    def g3(v):  # three significant digits: the quantities span orders of magnitude
+        return float(f"{v:.3g}")
+
+    rows = []
+    for where, m in measured.items():
+        rows.append({"weights": where, "‖G‖²": g3(m["g2"]),
+                     **{f"B×noise, B={b}": g3(v) for b, v in m["b_noise"].items()},
+                     "noise scale (samples)": g3(m["noise_scale"]),
+                     **{f"k={k}: k steps vs one (%)": round(100 * r) for k, r in m["ks"].items()}})
+    return pd.DataFrame(rows).set_index("weights")
+
+
+# --- chapter 06: tensor parallelism -----------------------------------------------------------------
+def tp_check(metrics: dict, case: str, *, tol: float, skip: tuple = ()) -> pd.DataFrame:
+    """One row per world size: the largest |parallel − dense| of each checked quantity over every rank, the
+    verdict (every one within `tol`, except those named in `skip`) and rank 0's collectives (phase, op, size).
+    A column per quantity, as the run named it. metrics: {world size: {rank: records}}, the records with
+    "case" == case holding "diffs", "calls" and, for a single layer, "shapes"."""
+    rows = []
+    for n, by_rank in metrics.items():
+        per_rank = [next(r for r in recs if r.get("case") == case) for recs in by_rank.values()]
+        rank0 = next(r for r in by_rank[min(by_rank)] if r.get("case") == case)
+        worst = {k: max(rec["diffs"][k] for rec in per_rank) for k in per_rank[0]["diffs"]}
+        bad = [k for k, v in worst.items() if k not in skip and not v <= tol]
+        rows.append({"ranks": n, **({"shapes": rank0["shapes"]} if "shapes" in rank0 else {}), **worst,
+                     "verdict": f"all within {tol:g} of dense" if not bad else f"DIFFERENT from dense: {', '.join(bad)}",
+                     "collectives (rank 0)": "; ".join(f"{c['phase']}: {c['op']} {human_bytes(c['bytes'])}"
+                                                       for c in rank0["calls"]) or "none"})
+    return pd.DataFrame(rows).set_index("ranks")
+
+
+def tp_block_traffic(records: dict, *, batch: int, seq: int, hidden: int, bytes_per_value: int = 4) -> pd.DataFrame:
+    """One row per (world size, block): all-reduces in forward and in backward, their sizes (bytes) against
+    the formula b·s·h·bytes, what each rank sends per all-reduce (ring), and whether the run matches Megatron's
+    one all-reduce each way (none on 1 rank, no other collective). records: {world size: {case: rank 0's
+    record}} for the cases "mlp" and "attention", each with its "calls" ({"phase", "op", "bytes"})."""
+    formula = batch * seq * hidden * bytes_per_value
+    rows = []
+    for n, by_case in records.items():
+        for case in ("mlp", "attention"):
+            calls = by_case[case]["calls"]
+            fwd = [c for c in calls if c["phase"] == "forward" and c["op"] == "all_reduce"]
+            bwd = [c for c in calls if c["phase"] == "backward" and c["op"] == "all_reduce"]
+            others = [c for c in calls if c["op"] != "all_reduce"]
+            sizes = sorted({c["bytes"] for c in fwd + bwd})
+            one_each = len(fwd) == len(bwd) == 1 and sizes == [formula]
+            rows.append({"ranks": n, "block": case, "forward all-reduces": len(fwd),
+                         "backward all-reduces": len(bwd), "bytes each (run)": ", ".join(map(str, sizes)),
+                         "b·s·h·4 (bytes, formula)": formula,
+                         "sent per rank per all-reduce": human_bytes(costs.bytes_moved_per_rank("all_reduce", formula, n)),
+                         "Megatron's count": "matches" if not others and (one_each or n == 1 and not fwd + bwd)
+                         else "DIFFERS"})
+    return pd.DataFrame(rows).set_index(["ranks", "block"])
+
+
+def comm_counts(recs: dict) -> pd.DataFrame:
+    """One row per implementation: its largest differences from dense (a column per quantity) and the
+    collectives CommDebugMode counted in forward and in backward. recs: {name: {"diffs", "comms"}}, comms as
+    {phase: {op: count}}."""
+    rows = [{"implementation": name, **rec["diffs"],
+             **{f"{phase} collectives": ", ".join(f"{op} ×{k}" for op, k in rec["comms"].get(phase, {}).items())
+                or "none" for phase in ("forward", "backward")}} for name, rec in recs.items()]
+    return pd.DataFrame(rows).set_index("implementation")
+
+
+def tp_cost(model: dict) -> pd.DataFrame:
+    """One row per (tensor-parallel degree, link): the modelled compute per rank of one layer (ms), the link's
+    nominal bandwidth (GB/s per GPU, per direction), the time of the layer's 4 all-reduces (ms) and their ratio
+    to the compute. model: {(degree, link name in costs.INTERCONNECTS): (compute seconds, communication seconds)}."""
+    rows = [{"TP": tp, "link": link, "compute (ms)": compute * 1e3,
+             "link (GB/s, nominal)": costs.INTERCONNECTS[link].bandwidth_bytes_per_s / 1e9,
+             "4 all-reduces (ms)": comm * 1e3, "comm / compute": comm / compute}
+            for (tp, link), (compute, comm) in model.items()]
+    return pd.DataFrame(rows).set_index(["TP", "link"]).round(
+        {"compute (ms)": 3, "link (GB/s, nominal)": 0, "4 all-reduces (ms)": 3, "comm / compute": 2})

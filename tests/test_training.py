@@ -1,0 +1,61 @@
+"""gpucourse.models.training: a large-batch run's records read back, and the linear scaling rule's two
+assumptions measured, checked on cases whose answer is known."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from gpucourse.models import training
+
+
+def records():
+    head = {"rule": "keep", "header": True, "global_batch": 32, "base_lr": 0.1, "target_lr": 0.1}
+    pts = [{"rule": "keep", "epoch": 0.0, "opt_step": 0, "step_losses": [], "test_acc": 0.1},
+           {"rule": "keep", "epoch": 0.5, "opt_step": 4, "step_losses": [2.3, 2.9, 2.1], "test_acc": 0.4},
+           {"rule": "keep", "epoch": 1.0, "opt_step": 8, "step_losses": [1.5, 1.2], "test_acc": 0.6},
+           {"rule": "keep", "epoch": 1.5, "opt_step": 12, "step_losses": [4.0], "test_acc": 0.7}]
+    return [head, {"step": 1}, *pts]
+
+
+def test_curves_group_the_records_by_rule_and_read_them():
+    run = training.curves(records())["keep"]
+    assert run["header"]["global_batch"] == 32 and [p["opt_step"] for p in run["points"]] == [0, 4, 8, 12]
+    pts = run["points"]
+    assert training.first_loss(pts) == 2.3
+    assert training.early_max_loss(pts) == 2.9  # the 4.0 after epoch 1 does not count
+    assert training.at_epoch(pts, 0.9)["test_acc"] == 0.6
+    with pytest.raises(ValueError, match="before its header"):
+        training.curves(records()[2:])
+
+
+def test_noise_is_zero_when_every_sample_has_the_same_gradient():
+    torch.manual_seed(0)
+    x, y = torch.ones(20, 3), torch.zeros(20, dtype=torch.long)  # identical samples
+    net = nn.Linear(3, 2)
+    noise, g2 = training.gradient_noise(net, (x, y), batch=4, draws=3, generator=torch.Generator().manual_seed(0))
+    assert noise < 1e-12 and g2 > 0
+
+
+def test_one_small_step_is_one_big_step_and_the_weights_are_restored():
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+    net = nn.Linear(3, 2)
+    before = net.weight.detach().clone()
+    gen = torch.Generator().manual_seed(0)
+    assert training.k_steps_vs_one(net, (x, y), k=1, lr=0.1, batch=4, draws=2, generator=gen) < 1e-6
+    assert 0 < training.k_steps_vs_one(net, (x, y), k=4, lr=1.0, batch=4, draws=2, generator=gen)
+    assert torch.equal(net.weight, before)
+
+
+def test_sgd_assumptions_measure_every_state():
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 3), torch.randint(0, 2, (32,))
+    states = {"a": nn.Linear(3, 2).state_dict(), "b": nn.Linear(3, 2).state_dict()}
+    m = training.sgd_assumptions(lambda: nn.Linear(3, 2), states, (x, y), [2, 4], lr=0.1, ks=(2,),
+                                 generator=torch.Generator().manual_seed(0))
+    assert list(m) == ["a", "b"] and list(m["a"]["b_noise"]) == [2, 4] and list(m["a"]["ks"]) == [2]
+    assert math.isclose(m["a"]["trace"], sum(m["a"]["b_noise"].values()) / 2)
+    assert math.isclose(m["a"]["noise_scale"], m["a"]["trace"] / m["a"]["g2"])
+    with pytest.raises(ValueError, match="batch size"):
+        training.sgd_assumptions(lambda: nn.Linear(3, 2), states, (x, y), [], lr=0.1)

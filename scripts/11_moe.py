@@ -34,6 +34,8 @@ the collapse that the load-balancing loss fights), "uniform" (a perfectly balanc
 the routing the volume formula assumes).
 """
 import argparse
+import contextlib
+import dataclasses
 import time
 from functools import partial
 
@@ -145,31 +147,40 @@ def moe_single(moe: MoE, x, ids, weights, capacity, priority="token"):
 
 
 # --- expert parallelism: dispatch, local experts, combine ---------------------------------------------
+@contextlib.contextmanager
+def dispatch_rules(moe: MoE, priority: str, mistake: str | None):
+    """While ex11's dispatch runs: its capacity rule reads first choices first (priority "choice"), and for the
+    "no-counts" mistake its counts exchange becomes "they send me what I send them" (an int64 all_to_all_single
+    copies its input instead of exchanging it)."""
+    rule, exchange = moe.ex11.kept_assignments, dist.all_to_all_single
+    if priority == "choice":
+        moe.ex11.kept_assignments = lambda ids, e, c: rule(ids.t().contiguous(), e, c).t().contiguous()
+    if mistake == "no-counts":
+        def assumed(output, input, *args, **kwargs):
+            if input.dtype == torch.int64:
+                return output.copy_(input)
+            return exchange(output, input, *args, **kwargs)
+        dist.all_to_all_single = assumed
+    try:
+        yield
+    finally:
+        moe.ex11.kept_assignments, dist.all_to_all_single = rule, exchange
+
+
 def moe_expert_parallel(moe: MoE, x, ids, weights, capacity, group=None, mistake=None, times=None,
                         priority="token"):
     """This rank's tokens through the experts spread over `group`: (output, kept mask, rows per expert here).
-    Dropless when capacity is None: every assignment is sent and computed, the splits as uneven as the routing.
-    times: a dict to whose "dispatch" and "expert" lists the seconds of the dispatch all-to-all and of this
-    rank's experts in forward are appended."""
+    Exercise ex11's dispatch and combine move the rows; each mistake is one change around them. Dropless when
+    capacity is None: every assignment is sent and computed, the splits as uneven as the routing.
+    times: a dict to whose "dispatch" and "expert" lists the seconds of the dispatch (counts and rows) and of
+    this rank's experts in forward are appended."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    E, k = moe.num_experts, ids.shape[1]
-    per = E // n
-    kept = kept_mask(moe, ids, capacity, priority)
-    flat = ids.reshape(-1)
-    idx = kept.reshape(-1).nonzero().squeeze(1)
-    order = idx[torch.sort(flat[idx], stable=True).indices]             # kept assignments grouped by expert
-    send_per_expert = torch.bincount(flat[order], minlength=E)
-    if mistake == "no-counts":                                          # assumes: they send me what I send them
-        recv_per_expert = send_per_expert
-    else:                                                               # the counts first
-        recv_per_expert = torch.empty_like(send_per_expert)
-        dist.all_to_all_single(recv_per_expert, send_per_expert, group=group)
-    send_splits = send_per_expert.view(n, per).sum(1).tolist()
-    recv_splits = recv_per_expert.view(n, per).sum(1).tolist()
+    per = moe.num_experts // n
     t0 = time.perf_counter()
-    local = moe.ex11.AllToAll.apply(x[order // k], recv_splits, send_splits, group)     # dispatch
+    with dispatch_rules(moe, priority, mistake):
+        local, local_ids, state = moe.ex11.dispatch(x, ids, moe.num_experts, capacity, group)
     t1 = time.perf_counter()
-    local_ids = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(n), recv_per_expert)
+    local_ids = local_ids.to(x.device)
     out = torch.zeros_like(local)
     for e in range(per):  # a looped matmul: each expert on its rows, however many (a grouped GEMM on GPUs)
         rows = (local_ids == e).nonzero().squeeze(1)
@@ -179,15 +190,11 @@ def moe_expert_parallel(moe: MoE, x, ids, weights, capacity, group=None, mistake
             torch.cuda.synchronize()
         times["dispatch"].append(t1 - t0)
         times["expert"].append(time.perf_counter() - t1)
-    back = moe.ex11.AllToAll.apply(out, send_splits, recv_splits, group)                # combine
-    placed = torch.zeros(flat.numel(), x.shape[1], device=x.device, dtype=x.dtype)
-    if mistake == "wrong-order":                                        # back in the order sent (by expert)
-        placed = torch.cat([back, placed[back.shape[0]:]])
-    else:                                                               # each row back at its (token, choice)
-        placed = placed.index_copy(0, order, back)
-    y = (placed.view(*ids.shape, -1) * weights[..., None]).sum(1) + shared_output(moe, x)
-    if mistake == "silent-drop":
-        kept = torch.ones_like(kept)                                    # the drops are not reported
+    if mistake == "wrong-order":  # the rows left back in the order they were sent (by expert)
+        state = dataclasses.replace(state, order=torch.arange(len(state.order), device=x.device))
+    placed = moe.ex11.combine(out, state, group)                    # each row back at its (token, choice)
+    y = (placed * weights[..., None]).sum(1) + shared_output(moe, x)
+    kept = torch.ones_like(state.kept) if mistake == "silent-drop" else state.kept  # silent: drops not reported
     return y, kept, torch.bincount(local_ids, minlength=per)
 
 

@@ -61,12 +61,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def run_processes(specs: list[tuple[list[str], dict]], wait_s: float, grace_s: float = 60) -> list[tuple[int, str]]:
+def run_commands(specs: list[tuple[list[str], dict]], wait_s: float, grace_s: float = 60) -> list[tuple[int, str]]:
     """Start one process per (command, environment), side by side; return [(exit code, output)] in order once
     all have ended. Each runs in a session of its own and is SIGKILLed with its group if it outlives
     wait_s + grace_s: nothing is left behind."""
     if not specs:
-        raise ValueError("run_processes needs at least one (command, environment)")
+        raise ValueError("run_commands needs at least one (command, environment)")
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for cmd, env in specs]
     out = []

@@ -8,8 +8,11 @@
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: chapters' tables read records only
+    import torch
+    from torch import nn
 
 
 # --- a run's records ---------------------------------------------------------------------------------
@@ -45,6 +48,8 @@ def first_loss(points: list[dict]) -> float:
 # --- the linear scaling rule's assumptions, measured -----------------------------------------------------
 def gradient(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The cross-entropy gradient of all of net's parameters on (x, y), flattened into one vector."""
+    import torch
+    from torch import nn
     net.zero_grad()
     nn.functional.cross_entropy(net(x), y).backward()
     return torch.cat([p.grad.flatten() for p in net.parameters()])
@@ -53,6 +58,7 @@ def gradient(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def gradient_noise(net, data, batch: int, draws: int = 32, generator=None) -> tuple[float, float]:
     """(mean of ‖g_B − G‖² over `draws` random batches of `batch` samples, ‖G‖²): G is the full-data gradient.
     data: (inputs, labels); batches are drawn with replacement."""
+    import torch
     x, y = data
     full = gradient(net, x, y)
     diffs = []
@@ -65,6 +71,7 @@ def gradient_noise(net, data, batch: int, draws: int = 32, generator=None) -> tu
 def k_steps_vs_one(net, data, k: int, lr: float, batch: int, draws: int = 8, generator=None) -> float:
     """‖k plain SGD steps of lr on k batches − one step of k·lr on their union‖ / ‖that one step‖, averaged over
     `draws` draws, each from net's current weights (restored afterwards)."""
+    import torch
     x, y = data
     start = [p.detach().clone() for p in net.parameters()]
     w0 = torch.cat([s.flatten() for s in start])

@@ -301,6 +301,9 @@ def main(job_class: type[GradingJob], argv=None) -> None:
     for sub in range(len(args.submissions)):
         sys.stdout.flush()
         sys.stderr.flush()
+        # What this process holds (torch and the preloaded modules, ~10^6 objects) is never garbage: frozen, the
+        # child's gc.collect() skips it (Allocations.alive_bytes collects up to five times a check: 1.4 s -> 0.1 s).
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             code = 1

@@ -1,6 +1,7 @@
 """The tables chapters show (gpucourse/viz/tables.py), built from hand-made records: values and headers."""
 import math
 
+import pandas as pd
 import pytest
 
 from gpucourse.models import costs
@@ -134,6 +135,23 @@ def test_placement_gives_milliseconds_and_the_ratio():
     assert list(df.columns) == ["inside a node (ms)", "across nodes (ms)", "across / inside (×)"]
     assert df.loc["TP", "inside a node (ms)"] == 1.2 and df.loc["TP", "across nodes (ms)"] == 24.6
     assert df.loc["TP", "across / inside (×)"] == 20 and df.loc["DP", "across / inside (×)"] == 4
+
+
+def test_diagnoses_show_each_runs_fault_and_whom_it_blames():
+    from gpucourse.run.forensics import Diagnosis
+
+    class Run:  # what diagnoses reads of a RunResult
+        def __init__(self, status, found):
+            self.status, self.world_size, self.found = status, 4, found
+
+        def diagnosis(self):
+            return self.found
+
+    df = tables.diagnoses({"skip": Run("failed", Diagnosis([1], "all_reduce", 4, "missing")),
+                           "fine": Run("ok", None)})
+    assert df.loc["skip", "kind"] == "missing" and df.loc["skip", "blamed rank(s)"] == [1]
+    assert df.loc["skip", "collective"] == "all_reduce #4"
+    assert df.loc["fine", "ended"] == "ok" and pd.isna(df.loc["fine", "kind"])
 
 
 def test_attempt_logs_read_every_attempts_folder(tmp_path):

@@ -20,6 +20,7 @@ rendezvous), plus:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ipaddress
 import json
@@ -31,8 +32,10 @@ import threading
 import time
 from pathlib import Path
 
-from .contract import attempt_dir, rank_file, root_rank
-from .procs import descendants, terminate
+import psutil
+
+from .contract import RUN_DIR_ENV, attempt_dir, rank_file, root_rank
+from .procs import alive, descendants, terminate
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 GRACE_S = 3.0
@@ -197,6 +200,32 @@ def _bind_stores_to_loopback() -> None:
     dynamic_rendezvous.DynamicRendezvousHandler.use_agent_store = property(lambda self: True)
 
 
+def _dump_before_stopping_workers() -> None:
+    """torchrun stops every worker as soon as one fails: first, each one still alive writes its Flight Recorder
+    dump and stack (run/forensics.py), the evidence of which collective the job was in."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from . import forensics
+
+    stop = LocalElasticAgent._stop_workers
+
+    def stop_workers(self, worker_group, *args, **kwargs):
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        if run_dir and forensics.enabled():
+            procs = {}
+            for worker in worker_group.workers:
+                with contextlib.suppress(psutil.Error, TypeError, ValueError):  # gone already, or never started
+                    procs[worker.global_rank] = psutil.Process(worker.id)
+
+            def running() -> list[int]:
+                return [rank for rank, proc in procs.items() if alive([proc])]
+
+            forensics.request_dumps(Path(run_dir), running(), "a rank failed", running=running)
+        return stop(self, worker_group, *args, **kwargs)
+
+    LocalElasticAgent._stop_workers = stop_workers
+
+
 def main(argv: list[str]) -> int:
     exit_file, rest = Path(argv[0]), argv[argv.index("--") + 1:]
     torchrun_args, script_args = rest[:rest.index("--")], rest[rest.index("--") + 1:]
@@ -211,6 +240,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     _tolerate_torn_error_files()
+    _dump_before_stopping_workers()
     args = torchrun.parse_args(torchrun_args)
     if args.standalone or (args.rdzv_backend == "c10d" and is_loopback_endpoint(args.rdzv_endpoint)):
         _bind_stores_to_loopback()

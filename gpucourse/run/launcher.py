@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from . import hardware
+from . import forensics, hardware
 from .agent import OPEN_STORE_WARNING, is_loopback_endpoint
 from .contract import (BACKEND_ENV, DEVICE_ENV, ENV_PREFIX, RUN_DIR_ENV, agent_log, exit_file, logs_dir, manifest_file,
                        node_suffix)
@@ -212,6 +212,7 @@ def _job_env(run_dir: Path, backend: str, nproc: int, one_host: bool, extra: dic
                 # Restarts under gloo are unreliable when workers share the agent's store (pytorch#135712).
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault(forensics.FR_BUFFER_ENV, str(forensics.FR_ENTRIES))  # what each rank's collectives were
     if one_host and Path("/sys/class/net/lo").exists():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every node here: keep gloo's traffic on loopback
     env.update({k: str(v) for k, v in (extra or {}).items()})
@@ -407,6 +408,9 @@ def _supervise(plan: JobPlan, job: _Job, tailer: RunTailer, view, cancel=None) -
 
 def _finish(plan: JobPlan, job: _Job, tailer: RunTailer, view, manifest: dict, stop: _Stop | None) -> RunResult:
     """Leave no process behind, complete the manifest (status, the devices the ranks reported) and read the run."""
+    if stop and stop.status in ("timeout", "stalled") and stop.running and forensics.enabled(plan.env):
+        view.update([], [], "collecting each rank's Flight Recorder dump")
+        forensics.request_dumps(plan.run_dir, stop.running, stop.status, running=job.running_ranks)
     job.stop() if not job.finished() or stop else job.reap()
     lines, records = tailer.poll(final=True)
     view.update(lines, records, "stopping")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .contract import (EVENT_SETUP, EVENT_TEARDOWN, MANIFEST, RUNTIME_EVENTS, STOP_SIGNALS, STREAMS, blame_key,
                        exit_files, manifest_file, metrics_files, rank_log, traces_dir)
+from .forensics import KINDS, diagnose, forensics_dir
 from .paths import runs_root
 
 STATUS_TEXT = {"ok": "finished", "failed": "failed", "timeout": "timed out", "stalled": "stalled",
@@ -179,6 +180,13 @@ class RunResult:
                 out[int(m.group(1))] = path
         return dict(sorted(out.items()))
 
+    def diagnosis(self):
+        """What the ranks' Flight Recorder dumps point to (run/forensics.py): the rank(s), the collective, the kind of
+        fault. None when the run finished, or when it stopped without the launcher asking for dumps."""
+        if self.ok or not forensics_dir(self.run_dir).is_dir():
+            return None
+        return diagnose(self.run_dir, self.world_size, self.returncodes)
+
     # --- display ---------------------------------------------------------------------------------
     def summary(self) -> str:
         m = self.manifest
@@ -192,6 +200,9 @@ class RunResult:
         lines = [head, f"exit codes by rank: {codes}", f"run directory: {self.run_dir}"]
         if self.error:
             lines.insert(1, f"root cause: {self.error.summary}")
+        found = self.diagnosis()
+        if found is not None and found.kind in KINDS:
+            lines.insert(2, f"flight recorder: {str(found).splitlines()[0]} (gpucourse diagnose {self.run_dir})")
         return "\n".join(lines)
 
     def __str__(self) -> str:

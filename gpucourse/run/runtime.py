@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import hardware
+from . import forensics, hardware
 from .contract import (BACKEND_ENV, COUNT_FILE_ENV, DRYRUN_ENV, EVENT_SETUP, EVENT_TEARDOWN, RUN_DIR_ENV,
                        STORE_PREFIX_ENV, metrics_file, trace_file)
 from .paths import runs_root, slug
@@ -175,6 +175,9 @@ def _record_uncaught_exceptions() -> None:
                 tmp = Path(f"{path}.{os.getpid()}.tmp")
                 tmp.write_text(json.dumps(data))
                 tmp.replace(path)
+        if _ctx is not None and forensics.enabled() and not issubclass(exc_type, KeyboardInterrupt):
+            with contextlib.suppress(OSError):
+                forensics.dump(_ctx.run_dir, _ctx.rank, f"{exc_type.__name__}: {exc}")
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
@@ -241,6 +244,8 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
         seed_everything(seed + (rank if seed_per_rank else 0))
     _start_counting(rank, world_size)
     run_dir = default_run_dir()
+    if not dry_run():
+        forensics.start(run_dir, rank)
     _ctx = Context(rank, local_rank, world_size, local_world, _env_int("GROUP_RANK", 0), backend, device, run_dir)
     _write_record({"event": EVENT_SETUP, "world_size": world_size, "backend": backend, "device": str(device),
                    "pid": os.getpid(), "host": os.uname().nodename})

@@ -72,6 +72,22 @@ def _runs(args) -> int:
     return 0
 
 
+def _diagnose(args) -> int:
+    from ..run.result import load_run
+
+    run_dir = Path(args.run_dir).expanduser()
+    try:
+        result = load_run(run_dir)
+    except FileNotFoundError as err:
+        raise UsageError(f"{err}: give a run directory (see `gpucourse runs`)") from None
+    diagnosis = result.diagnosis()
+    if diagnosis is None:
+        print(f"{result.name}: {result.status}; no diagnosis (the run finished, or left no Flight Recorder dump)")
+        return 1 if not result.ok else 0
+    print(json.dumps(diagnosis.to_dict()) if args.json else f"{result.name}: {result.status}\n{diagnosis}")
+    return 0
+
+
 def _dryrun(args) -> int:
     from ..models.costs import SYSTEMS, dryrun_step_time
     from ..run.dryrun import DryRunFailed, dryrun
@@ -160,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", help="runs directory (default: runs/ or $GPUCOURSE_RUNS_DIR)")
     p.add_argument("--last", type=positive_int, default=30, help="show the last N runs (default 30)")
     p.set_defaults(func=_runs)
+
+    p = sub.add_parser("diagnose", help="which rank and which collective a stalled or failed run points to")
+    p.add_argument("run_dir", help="the run directory (gpucourse runs lists them)")
+    p.add_argument("--json", action="store_true", help='print {"ranks", "op", "seq_id", "kind", "evidence"}')
+    p.set_defaults(func=_diagnose)
 
     p = sub.add_parser("dryrun", help="run a script as rank r of a world of N, with a fake process group",
                        usage="gpucourse dryrun SCRIPT --world N [--rank R]... [--json F] [-- SCRIPT ARGS]")

@@ -204,6 +204,18 @@ def attempt_logs(result, ranks: int) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index(["attempt", "rank"])
 
 
+def diagnoses(runs: dict) -> pd.DataFrame:
+    """One row per broken run: how it ended and what its ranks' Flight Recorder dumps point to (run/forensics.py):
+    the fault's kind, the rank(s) to blame, the collective (op and sequence number). runs: {name: RunResult}."""
+    rows = []
+    for name, result in runs.items():
+        found = result.diagnosis()
+        rows.append({"run": name, "ranks": result.world_size, "ended": result.status,
+                     "kind": found.kind if found else None, "blamed rank(s)": found.ranks if found else None,
+                     "collective": f"{found.op} #{found.seq_id}" if found and found.op else None})
+    return pd.DataFrame(rows).set_index("run")
+
+
 # --- chapter 04: large batches ----------------------------------------------------------------------
 def large_batch_runs(runs: dict, *, names: dict, early: float) -> pd.DataFrame:
     """One row per (world size, rule): global batch, learning rate (after warmup), optimizer steps, the first

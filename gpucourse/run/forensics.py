@@ -1,0 +1,307 @@
+"""Hang forensics: what every rank's Flight Recorder saw when a job stalled, timed out or failed, and whom it blames.
+
+torch's Flight Recorder keeps each rank's recent collectives (op, process group, sequence id, sizes) in a ring
+buffer when TORCH_FR_BUFFER_SIZE is set; the launcher sets it for every job (gloo records too, torch 2.13).
+Collected into the run directory (rank side: `start`, run by runtime.setup; launcher side: `request_dumps`):
+
+    forensics/fr/rank_<r>          the Flight Recorder dump, as torch writes it (pickle): read by `diagnose` and by
+                                   torch's own analyser, `python -m torch.distributed.flight_recorder.fr_trace DIR`
+    forensics/stacks/rank<r>.json  the rank's main-thread Python stack at that moment, and why it dumped
+
+A rank dumps when the launcher asks (a request file it polls for, so a rank blocked inside a collective answers:
+the collective's wait releases the GIL) and when an exception ends it (runtime's excepthook).
+
+`diagnose(run_dir)` reads the dumps of the default process group and names the fault:
+    missing     a rank never entered the collective the others wait in (it waits in another one, or it left)
+    straggler   the same, but the rank is busy in its own code, not in any collective
+    crash       a rank died (a signal, an exit) without entering it, or in the middle of it
+    order       at the same sequence number the ranks called different collectives
+    shape       the same collective with different sizes (in the dumps, or in gloo's abort of the rank that
+                received a message of another size: that rank leaves no dump)
+    rendezvous  no rank got as far as a process group (a wrong address, port or world size)
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .contract import EVENT_SETUP, EVENT_TEARDOWN, metrics_file
+
+FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+FR_ENTRIES = 2000  # collectives kept per rank: a few steps of a large model's FSDP traffic
+POLL_S = 0.2  # how often a rank looks for the launcher's request
+WAIT_S = 5.0  # how long the launcher waits for the ranks' dumps before it stops them
+GLOO_SIZE_MISMATCH = "Received data size doesn't match expected size"
+KINDS = ("missing", "straggler", "crash", "order", "shape", "rendezvous")
+
+
+def enabled(env=os.environ) -> bool:
+    """Whether the Flight Recorder records in a job with this environment (TORCH_FR_BUFFER_SIZE=0 turns it off)."""
+    try:
+        return int(env.get(FR_BUFFER_ENV) or 0) > 0
+    except ValueError:
+        return False
+
+
+def forensics_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "forensics"
+
+
+def fr_file(run_dir: Path, rank: int) -> Path:
+    return forensics_dir(run_dir) / "fr" / f"rank_{rank}"
+
+
+def stack_file(run_dir: Path, rank: int) -> Path:
+    return forensics_dir(run_dir) / "stacks" / f"rank{rank}.json"
+
+
+def request_file(run_dir: Path) -> Path:
+    return forensics_dir(run_dir) / "request"
+
+
+# --- in each rank -------------------------------------------------------------------------------------------------
+def dump(run_dir: Path, rank: int, why: str) -> bool:
+    """Write this rank's Flight Recorder buffer and main-thread stack into the run directory. False if the
+    recorder is off (no TORCH_FR_BUFFER_SIZE) or torch has none."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        data = _named_groups(_dump_fr_trace(includeStackTraces=False))  # with C++ stacks: 5 s of symbolizing
+    except (ImportError, RuntimeError):
+        return False
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    stack = [{"file": f.filename, "line": f.lineno, "function": f.name, "code": f.line or ""}
+             for f in (traceback.extract_stack(frame) if frame else [])]
+    for path, payload in ((fr_file(run_dir, rank), data),
+                          (stack_file(run_dir, rank), json.dumps({"rank": rank, "why": why, "time": time.time(),
+                                                                  "pid": os.getpid(), "stack": stack}).encode())):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(payload)
+        tmp.replace(path)  # whole or not at all: the launcher may stop the rank right after
+    return True
+
+
+def _named_groups(data: bytes) -> bytes:
+    """gloo's dump (torch 2.13) files the default group's config under the name '' while its entries name the
+    group '0': torch's analyser then fails (KeyError). Named as the entries name it, both readers agree."""
+    trace = pickle.loads(data)
+    config, names = trace.get("pg_config", {}), {e["process_group"][0]: e["process_group"][1]
+                                                 for e in trace.get("entries", [])}
+    if "" in config and "0" in names and "0" not in config:
+        config["0"] = {**config.pop(""), "name": "0", "desc": names["0"]}
+    return pickle.dumps(trace)
+
+
+def start(run_dir: Path, rank: int) -> None:
+    """Answer the launcher's requests for a dump (a daemon thread, so a rank stuck in a collective still answers)."""
+    if not enabled():
+        return
+    request = request_file(run_dir)
+
+    def watch():
+        answered = None
+        while True:
+            time.sleep(POLL_S)
+            try:
+                asked = request.read_text()
+            except OSError:
+                continue
+            if asked and asked != answered:
+                answered = asked
+                dump(run_dir, rank, f"asked by the launcher: {asked.strip()}")
+
+    threading.Thread(target=watch, name="gpucourse-forensics", daemon=True).start()
+
+
+# --- in the launcher ----------------------------------------------------------------------------------------------
+def request_dumps(run_dir: Path, ranks: list[int], why: str, running=None, wait_s: float = WAIT_S) -> list[int]:
+    """Ask `ranks` for their dumps and wait (at most wait_s) until each has answered, or has ended (`running()`:
+    the ranks still alive, when the caller can tell). Returns the ranks that did not answer."""
+    request = request_file(run_dir)
+    request.parent.mkdir(parents=True, exist_ok=True)
+    asked_at = time.time()
+    request.write_text(f"{why} at {asked_at:.3f}\n")
+    deadline = time.monotonic() + wait_s
+    missing = list(ranks)
+    while missing and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = set(running()) if running else set(missing)
+        missing = [r for r in missing if r in alive and not _dumped_since(run_dir, r, asked_at)]
+    return missing
+
+
+def _dumped_since(run_dir: Path, rank: int, when: float) -> bool:
+    path = stack_file(run_dir, rank)
+    try:
+        return json.loads(path.read_text())["time"] >= when and fr_file(run_dir, rank).exists()
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+# --- reading the dumps --------------------------------------------------------------------------------------------
+@dataclass
+class Diagnosis:
+    """Whom the dumps blame: `ranks` (global), the collective's `op` and sequence number `seq_id` in the default
+    process group, the fault's `kind` (KINDS), and the `evidence`, one line per rank."""
+
+    ranks: list[int]
+    op: str | None
+    seq_id: int | None
+    kind: str
+    evidence: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        who = ", ".join(map(str, self.ranks)) or "none"
+        what = f"{self.op} #{self.seq_id}" if self.op else "no collective"
+        return f"{self.kind}: rank(s) {who} ({what})\n" + "\n".join(f"  {line}" for line in self.evidence)
+
+
+def _load(run_dir: Path, world: int) -> tuple[dict, dict]:
+    """({rank: Flight Recorder dump}, {rank: stack record}) of the ranks that dumped."""
+    dumps, stacks = {}, {}
+    for rank in range(world):
+        try:
+            dumps[rank] = pickle.loads(fr_file(run_dir, rank).read_bytes())  # written by torch, in this run dir
+            stacks[rank] = json.loads(stack_file(run_dir, rank).read_text())
+        except (OSError, ValueError, EOFError, pickle.UnpicklingError):
+            dumps.pop(rank, None)
+    return dumps, stacks
+
+
+def _collectives(dump: dict) -> dict[int, dict]:
+    """{sequence id: entry} of the default process group's collectives (point-to-point left out)."""
+    out = {}
+    for entry in dump.get("entries", []):
+        if entry.get("is_p2p") or entry.get("process_group", ("", ""))[1] != "default_pg":
+            continue
+        out[entry["collective_seq_id"]] = entry
+    return out
+
+
+def _op(entry: dict) -> str:
+    return entry["profiling_name"].split(":", 1)[-1]  # "gloo:all_reduce" -> "all_reduce"
+
+
+def _sizes(entry: dict) -> str:
+    return str(entry.get("input_sizes"))
+
+
+def _where(stack: dict | None) -> tuple[bool, str]:
+    """(waiting inside torch.distributed, the innermost frame of the rank's own code) from a stack record."""
+    frames = (stack or {}).get("stack", [])
+    in_dist = any("torch/distributed" in f["file"] for f in frames[-6:])
+    own = [f for f in frames if "site-packages" not in f["file"] and "/torch/" not in f["file"]
+           and "gpucourse/run" not in f["file"]]
+    top = own[-1] if own else (frames[-1] if frames else None)
+    return in_dist, (f"{Path(top['file']).name}:{top['line']} {top['code']}".strip() if top else "no stack")
+
+
+def _majority(signatures: dict[int, str]) -> list[int]:
+    """The ranks outside the largest group of equal signatures (all of them when no group is largest)."""
+    counts = Counter(signatures.values()).most_common()
+    if len(counts) > 1 and counts[0][1] == counts[1][1]:
+        return sorted(signatures)
+    return sorted(r for r, s in signatures.items() if s != counts[0][0])
+
+
+def diagnose(run_dir: str | Path, world: int | None = None, exits: dict[int, int | None] | None = None) -> Diagnosis:
+    """Read a run's dumps (and, where given, each rank's exit code: non-zero or a signal means it died) and name
+    the fault. The world size is read from the run's manifest unless given."""
+    run_dir = Path(run_dir)
+    if world is None:
+        world = int(json.loads((run_dir / "manifest.json").read_text()).get("world_size", 0))
+    exits = exits or {}
+    dumps, stacks = _load(run_dir, world)
+    if not dumps:
+        started = _ranks_with_event(run_dir, world, EVENT_SETUP)
+        if not started:
+            return Diagnosis(sorted(range(world)), None, None, "rendezvous",
+                             ["no rank formed a process group (none reached runtime.setup's record): check the "
+                              "master address and port, and that every node starts the same world size"])
+        return Diagnosis([], None, None, "unknown", ["no rank left a Flight Recorder dump"])
+    seqs = {r: _collectives(d) for r, d in dumps.items()}
+    last = {r: max(s, default=0) for r, s in seqs.items()}
+    top = max(last.values())
+    # The first sequence number at which the ranks that reached it disagree: op first, then sizes.
+    for seq in range(1, top + 1):
+        at = {r: s[seq] for r, s in seqs.items() if seq in s}
+        if len({_op(e) for e in at.values()}) > 1:
+            ranks = _majority({r: _op(e) for r, e in at.items()})
+            evidence = [f"rank {r}: {_op(e)} #{seq}, sizes {_sizes(e)}" for r, e in sorted(at.items())]
+            return Diagnosis(ranks, _op(at[min(set(at) - set(ranks), default=min(at))]), seq, "order", evidence)
+        if len({_sizes(e) for e in at.values()}) > 1:
+            ranks = _majority({r: _sizes(e) for r, e in at.items()})
+            evidence = [f"rank {r}: {_op(e)} #{seq}, sizes {_sizes(e)}" for r, e in sorted(at.items())]
+            return Diagnosis(ranks, _op(next(iter(at.values()))), seq, "shape", evidence)
+    entered = {r for r in seqs if last[r] == top}
+    finished = _ranks_with_event(run_dir, world, EVENT_TEARDOWN)
+    op = _op(seqs[min(entered)][top]) if top else None
+    evidence = [f"rank {r}: in {op} #{top}" for r in sorted(entered)]
+    lagging, kinds = [], set()
+    for rank in range(world):
+        if rank in entered:
+            continue
+        lagging.append(rank)
+        code = exits.get(rank)
+        if rank not in dumps:
+            # Died by itself: a non-zero exit before its work was done, other than torchrun's SIGTERM to the
+            # ranks left after a failure (a rank stuck in its exit then, or its teardown, is not to blame).
+            died = code not in (None, 0, -signal.SIGTERM) and rank not in finished
+            words = _last_words(run_dir, rank)
+            # gloo aborts the process (no Python exception, so no dump) when a peer's message has another size
+            kinds.add("shape" if died and GLOO_SIZE_MISMATCH in words else "crash" if died else "missing")
+            evidence.append(f"rank {rank}: left no dump" + (f"; it died (exit code {code}): {words}" if died else
+                                                           "; it had ended, or never answered"))
+            continue
+        in_dist, where = _where(stacks.get(rank))
+        mine = seqs[rank].get(last[rank])
+        doing = f"its last collective {_op(mine)} #{last[rank]}" if mine else "no collective yet"
+        if in_dist:
+            kinds.add("missing")
+            evidence.append(f"rank {rank}: never entered #{top}; {doing}; waiting at {where}")
+        else:
+            kinds.add("straggler")
+            evidence.append(f"rank {rank}: never entered #{top}; {doing}; busy in its own code at {where}")
+    if not lagging:
+        return Diagnosis([], op, top, "unknown", evidence + ["every rank entered the last collective recorded"])
+    kind = next(k for k in ("shape", "crash", "straggler", "missing") if k in kinds)
+    return Diagnosis(lagging, op, top, kind, evidence)
+
+
+def _last_words(run_dir: Path, rank: int) -> str:
+    from .contract import rank_log
+    from .procs import last_words
+
+    try:
+        return last_words(rank_log(run_dir, None, rank, "stderr").read_text(errors="replace"))
+    except OSError:
+        return "(no log)"
+
+
+def _ranks_with_event(run_dir: Path, world: int, event: str) -> set[int]:
+    """The ranks whose metrics hold runtime's `event` record (setup: it joined the group; teardown: it finished)."""
+    out = set()
+    for rank in range(world):
+        try:
+            lines = metrics_file(run_dir, rank).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            with contextlib.suppress(ValueError):  # a line cut short by a kill
+                if json.loads(line).get("event") == event:
+                    out.add(rank)
+    return out

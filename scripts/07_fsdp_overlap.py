@@ -1,4 +1,4 @@
-"""Chapter 07, section 8: FSDP2's prefetching seen in the trace, HSDP on a 2D mesh against FSDP and DDP, and gradient
+"""Chapter 07, section 7: FSDP2's prefetching seen in the trace, HSDP on a 2D mesh against FSDP and DDP, and gradient
 accumulation with and without gradient sync.
 
     --mode prefetch    the same MLP under fully_shard three ways, one after the other, each profiled

@@ -320,3 +320,78 @@ def test_low_precision_speedup_is_amdahl_and_labelled_modelled_in_its_header():
     df = tables.low_precision_speedup("NVIDIA H100 80GB HBM3", (0.0, 0.5))
     assert df.loc[0, "at most × faster in fp8"] == 1.0
     assert df.loc[50, "at most × faster in fp8"] == round(1 / (0.5 + 0.5 / 2), 2)
+
+
+# --- chapter 07: ZeRO and FSDP ------------------------------------------------------------------------
+def test_zero_stages_reproduce_the_zero_papers_figure_1():
+    df = tables.zero_stages(7.5e9, 64)
+    assert df["per device (GB)"].tolist() == [120.0, 31.4, 16.6, 1.9]
+    assert df.loc[3, "communication per step (GB)"] == 1.5 * df.loc[0, "communication per step (GB)"]
+
+
+def test_model_sizes_say_what_fits_and_when_zero1_never_does():
+    df = tables.model_sizes((1e9, 70e9), 80e9)
+    assert df.loc["1B", "fits under DDP"] and not df.loc["70B", "fits under DDP"]
+    assert df.loc["70B", "fewest devices, ZeRO-1"] == "never" and df.loc["70B", "fewest devices, ZeRO-3"] == 16
+
+
+def _state_row(n, mode, measured, total_model, diff=None):
+    return {"N": n, "mode": mode, "numel": 10, "measured": measured, "total": sum(measured.values()),
+            "model": {"total": total_model}, "diff": diff, "impl": None}
+
+
+def test_memory_per_rank_and_share_of_ddp():
+    rows = [_state_row(2, "ddp", {"params": 4e6, "grads": 4e6, "optimizer": 8e6}, 16e6),
+            _state_row(2, "fsdp2", {"params": 2e6, "grads": 2e6, "optimizer": 4.4e6}, 8e6, diff=1e-7)]
+    df = tables.memory_per_rank(rows)
+    assert df.loc[(2, "fsdp2"), "total (MB)"] == 8.4 and df.loc[(2, "fsdp2"), "measured / formula"] == 1.05
+    assert df.loc[(2, "fsdp2"), "|θ − θ_DDP|"] == 1e-7
+    share = tables.share_of_ddp(rows)
+    assert share.loc[(2, "fsdp2"), "parameters"] == 0.5 and share.loc[(2, "fsdp2"), "optimizer states"] == 0.55
+
+
+class _Step:
+    def __init__(self, us):
+        self.duration_us = us
+
+
+class _Rank:
+    def __init__(self, per_step):
+        self.per_step = per_step
+
+    def collective(self, name):
+        return self.per_step
+
+
+class _Analysis:
+    kind = "cpu-gloo"
+
+    def __init__(self, per_step, step_us):
+        self.ranks = {0: _Rank(per_step)}
+        self.steps = [_Step(us) for us in step_us]
+
+
+def test_prefetch_table_from_traces_and_counts():
+    analyses = {"defaults": _Analysis([(4000.0, 4000.0), (6000.0, 6000.0)], [20000, 22000]),
+                "prefetch": _Analysis([(6000.0, 1500.0), (6000.0, 1500.0)], [18000, 18000])}
+    rec = {"all_gathers": 6, "all_gather_bytes": [1.5e6], "async_all_gathers": 0}
+    df = tables.prefetch(analyses, {"defaults": rec, "prefetch": rec | {"async_all_gathers": 6}})
+    assert df.loc["defaults", "hidden (%)"] == 0 and df.loc["prefetch", "hidden (%)"] == 75
+    assert df.loc["defaults", "all-gather (ms)"] == 5.0 and df.loc["defaults", "max (ms)"] == 6.0
+    assert df.loc["prefetch", "exposed (ms)"] == 1.5 and df.loc["defaults", "step (ms)"] == 21.0
+    assert df.loc["prefetch", "async"] == 6
+
+
+def test_unsharded_hsdp_and_accumulation_tables():
+    rec = {"all_gathers": 1, "all_gather_bytes": [4e6], "reduce_scatters": 1, "peak_unsharded_bytes": 4e6,
+           "model_bytes": 4e6}
+    assert tables.unsharded({"root only": rec}).loc["root only", "unsharded at most (MB)"] == 4.0
+    row = {"variant": "hsdp", "mesh": "2x2", "measured": {"params": 1, "grads": 1, "optimizer": 2},
+           "model": {"params": 1, "grads": 1, "optimizer": 3}, "loss diff": 0.0, "param diff": 1e-8}
+    assert not tables.hsdp_states([row]).loc["hsdp", "= formula"]
+    comm = {"hsdp": {"all_reduce": {"group": "replicate", "ranks_list": [0, 2], "counted": 2e6, "calls_bytes": 2e6,
+                                    "sent": 1e6}}}
+    assert tables.hsdp_comm(comm).loc[("hsdp", "all_reduce"), "ranks"] == "[0, 2]"
+    calls = [{"op": "all_gather", "bytes": 1e6}] * 8 + [{"op": "reduce_scatter", "bytes": 1e6}]
+    df = tables.accumulation_calls({"no-sync": {"calls": calls, "max_param_diff": 1e-9}})
+    assert df.loc["no-sync", "all_gather calls"] == 8 and df.loc["no-sync", "reduce_scatter (MB)"] == 1.0

@@ -509,7 +509,7 @@ def memory_per_rank(rows: list) -> pd.DataFrame:
         out.append({"N": row["N"], "mode": row["mode"],
                     **{f"{part} (MB)": round(row["measured"][k] / 1e6, 3) for k, part in STATE_KEYS.items()},
                     "total (MB)": round(row["total"] / 1e6, 3), "formula (MB)": round(row["model"]["total"] / 1e6, 3),
-                    "measured / formula": round(row["total"] / row["model"]["total"], 4),
+                    "measured / formula": round(row["total"] / row["model"]["total"], 6),
                     "|θ − θ_DDP|": row["diff"]})
     return pd.DataFrame(out).set_index(["N", "mode"])
 

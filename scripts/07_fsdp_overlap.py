@@ -1,4 +1,4 @@
-"""Chapter 07, section 8: FSDP2's prefetching seen in the trace, HSDP on a 2D mesh against FSDP and DDP, and gradient
+"""Chapter 07, section 7: FSDP2's prefetching seen in the trace, HSDP on a 2D mesh against FSDP and DDP, and gradient
 accumulation with and without gradient sync.
 
     --mode prefetch    the same MLP under fully_shard three ways, one after the other, each profiled
@@ -179,7 +179,9 @@ def check_against_one_process(variant, losses, params, reference) -> float:
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7,
                                msg=lambda m: f"{variant}: losses differ from one process on the whole batch: {m}")
     for got, want in zip(final, ref_params):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
+        # atol 1e-5, 1 % of one step's lr: AdamW divides by sqrt(v), so a near-zero gradient summed in another order
+        # (4 gloo ranks, fp32) moves its weight by a few 1e-6 more or less; a wrong average would be off by ~lr
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"{variant}: parameters differ from one process: {m}")
     return max((a - b).abs().max().item() for a, b in zip(final, ref_params))
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucourse.tools.course import find_notebooks, smoke_parameters, with_parameters
+from gpucourse.tools.course import chapter_key, find_notebooks, smoke_parameters, with_parameters
 
 from .conftest import ROOT
 from .test_browser import (KERNEL_START_S, PANEL, RUN_STATE, assert_fits, assert_nothing_running, browser, lab,
@@ -29,9 +29,9 @@ __all__ = ["lab", "browser"]  # fixtures, used by name
 
 pytestmark = [pytest.mark.browser_pass, pytest.mark.timeout(1800)]
 
-CHAPTERS = find_notebooks()  # notebooks/NN_*.ipynb: a new chapter is in the pass as soon as it exists
+CHAPTERS = find_notebooks()  # notebooks/NN_*.ipynb (and NNb_*): a new chapter is in the pass as soon as it exists
 # What a chapter reads beside notebooks/, as in a clone: scripts/ (the lab's copy starts empty; 03 launches 01's
-# 01_bandwidth.py, 07 imports 09's 09_gpt_2d.py, and 09 imports its own before the cell that writes it), and
+# 01_bandwidth.py, 07b imports 09's 09_gpt_2d.py, and 09 imports its own before the cell that writes it), and
 # what its scripts and smoke parameters name (../solutions, ../exercises, ../data).
 SIBLINGS = ("scripts", "solutions", "exercises", "data")
 CHAPTER_RUN_S = 1500  # a readiness wait, not a speed check: a chapter at smoke size takes minutes on a loaded machine
@@ -166,7 +166,7 @@ class _PatientBrowser:
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_chapter_runs_clean_in_the_browser(lab, browser, path):
-    chapter = path.stem[:2]
+    chapter = chapter_key(path)  # 07 and 07b: their screenshots apart
     for old in shots_dir().glob(f"{chapter}-*.png"):  # the folder holds the last run's pictures only
         old.unlink()
     _prepare(lab, path)

@@ -9,6 +9,8 @@ from gpucourse import costs
 from gpucourse.models.memory import PARTS, gb, largest_model, model_state_bytes, model_states, stages_table
 from gpucourse.viz.widgets import memory_calculator
 
+from .conftest import ROOT
+
 PSI, N = 7.5e9, 64  # the ZeRO paper's example: 7.5B parameters on 64 GPUs, mixed-precision Adam (K = 12)
 
 
@@ -311,3 +313,37 @@ def test_korthikanti_formula_as_published():
     assert transformer_layer_activation_bytes(4, 2, 8, 2, dropout=False) == 2 * (16 * 4 * 2 * 8 + 2 * 16 * 2)
     with pytest.raises(ValueError, match="16-bit"):
         transformer_layer_activation_bytes(4, 2, 8, 2, bytes_per_element=4)
+
+
+# --- chapter 07b: recomputation measured (gpucourse.models.recompute) -------------------------------------------
+def test_recomputation_counts_bytes_and_flops_equal_to_the_formulas_on_a_tiny_gpt():
+    import torch
+
+    from gpucourse.models import recompute
+    from gpucourse.tools.exercises import load_file
+
+    gpt = load_file(ROOT / "scripts" / "09_gpt_2d.py", "gpt_2d")
+    seqs, b, h, a, layers, vocab = [8, 16], 2, 16, 2, 2, 11
+
+    def build(seq):
+        torch.manual_seed(0)
+        return gpt.GPT(vocab, seq, h, a, layers)
+
+    with recompute.one_thread():
+        kept, fused = recompute.saved_bytes(build, seqs, batch=b, vocab=vocab)
+        flops = recompute.executed_flops(build, seqs, batch=b, vocab=vocab)
+        times = recompute.step_times(build, seqs[:1], batch=b, vocab=vocab, repeats=2)
+    for s in seqs:
+        assert {m: kept[s, m] for m in recompute.MODES} == recompute.expected_saved_bytes(s, b, h, a)
+        assert fused[s] < kept[s, "none"]  # no s x s scores kept
+    probe = build(seqs[0])
+    sizes = dict(batch=b, layers=layers, width=h, matmul_params=gpt.matmul_params(probe),
+                 block_matmul_params=sum(gpt.matmul_params(block) for block in probe.blocks))
+    assert flops == {(s, m): recompute.expected_flops(s, m, **sizes) for s, m in flops}
+    assert flops[8, "none"] < flops[8, "selective"] < flops[8, "full"]
+    assert set(times) == {(8, m) for m in (*recompute.MODES, recompute.SAVE_ALL)}
+    assert all(len(t) == 2 and min(t) > 0 for t in times.values())
+    with pytest.raises(ValueError, match="mode must be one of"):
+        recompute.apply(build(8), "half")
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        recompute.step_times(build, [8], batch=b, vocab=vocab, repeats=0)

@@ -432,3 +432,23 @@ def test_moe_load_balance_draws_one_line_per_method_and_the_even_load():
     assert list(ax.lines[1].get_xdata()) == [1, 2, 3] and LABEL in ax.get_title()
     with pytest.raises(ValueError, match="non-empty"):
         plots.moe_load_balance({"none": []})
+
+
+# --- chapter 07 -----------------------------------------------------------------------------------------------
+def test_model_states_per_rank_draws_a_panel_per_world_size_titled_with_its_backend():
+    row = lambda n, mode, mb: {"N": n, "mode": mode, "measured": {"params": mb, "grads": mb, "optimizer": 2 * mb},
+                               "model": {"total": 4 * mb}}
+    fig = plots.model_states_per_rank([row(2, "ddp", 4e6), row(2, "fsdp2", 2e6), row(4, "ddp", 4e6)],
+                                      {2: "CPU, gloo", 4: "CPU, gloo"}, title="t")
+    assert [ax.get_title() for ax in fig.axes] == ["2 ranks (CPU, gloo)", "4 ranks (CPU, gloo)"]
+    heights = sorted(p.get_height() for p in fig.axes[0].patches)
+    assert heights[-1] == 8.0  # ddp's optimizer part, MB
+
+
+def test_hsdp_figure_marks_the_bytes_that_cross_nodes():
+    rows = [{"variant": v, "mesh": m, "measured": {"params": 1e6, "grads": 1e6, "optimizer": 2e6}}
+            for v, m in (("ddp", "4x1"), ("hsdp", "2x2"))]
+    comm = {"ddp": {"all_reduce": {"sent": 3e6}}, "hsdp": {"all_gather": {"sent": 1e6}, "all_reduce": {"sent": 5e5}}}
+    fig = plots.hsdp_figure(rows, comm, {"ddp": 3e6, "hsdp": 5e5}, ranks_per_node=2, title="x")
+    crosses = fig.axes[1].lines[0]
+    assert list(crosses.get_ydata()) == [3.0, 0.5] and "nodes of 2" in crosses.get_label()

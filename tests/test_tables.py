@@ -263,3 +263,153 @@ def test_tp_cost_gives_ms_and_the_ratio_per_degree_and_link():
     assert list(df.columns) == ["compute (ms)", "link (GB/s, nominal)", "4 all-reduces (ms)", "comm / compute"]
     assert df.loc[(2, "100 GbE"), "comm / compute"] == 5.0 and df.loc[(2, "NVLink 4 (H100 SXM)"), "compute (ms)"] == 4.0
     assert df.loc[(2, "100 GbE"), "link (GB/s, nominal)"] == 12  # 100 Gbit/s
+
+
+# --- chapter 07b: precision and recomputation ---------------------------------------------------------
+def _recipe_record(name, numel=100, **over):
+    per = costs.recipe_bytes_per_param(name, "adamw")
+    rec = {"num_params": numel, "num_tensors": 4, "dtype": "torch.float32", "state_dtype": "torch.float32",
+           "parameters": per["parameters"] * numel, "gradients": per["gradients"] * numel,
+           "master_weights": per["master weights"] * numel, "optimizer_states": per["optimizer states"] * numel,
+           "step_counters": 16, "weight_copies": 150, "cuda_peak": None, "cuda_held": None}
+    return rec | over
+
+
+def test_recipe_tables_flag_a_part_off_its_formula_and_mark_fp8_modelled():
+    assert tables.recipe_bytes().loc["fp8", "source"] == "MODELLED"
+    assert tables.recipe_bytes().loc["mixed", "total (B/param)"] == 16
+    df = tables.recipe_states({"fp32": _recipe_record("fp32"), "bf16": _recipe_record("bf16", gradients=400),
+                               "mixed": _recipe_record("mixed", step_counters=12)})
+    assert df["= formula"].tolist() == [True, False, True]
+    assert df["= 4 B per tensor"].tolist() == [True, True, False]
+    assert df.loc["bf16", "gradients (B/param)"] == 4 and df.loc["fp32", "16-bit weight copies kept (B/param)"] == 1.5
+    assert "CUDA peak (B/param)" not in df  # no GPU: no column pretending to a measurement
+    gpu = tables.recipe_states({"fp32": _recipe_record("fp32", cuda_peak=2000, cuda_held=1600)})
+    assert gpu.loc["fp32", "CUDA peak (B/param)"] == 20
+
+
+def test_loss_scale_steps_and_faults():
+    good = [{"step": 0, "scale": 2.0**28, "overflow": True, "params_changed": False, "new_scale": 2.0**27, "loss": 1},
+            {"step": 1, "scale": 2.0**27, "overflow": False, "params_changed": True, "new_scale": 2.0**27, "loss": .5}]
+    assert tables.loss_scale_steps(good).loc[0, "new scale"] == "2^27"
+    assert tables.loss_scale_faults(good) == []
+    stepped_anyway = [good[0] | {"params_changed": True}]
+    not_halved = [good[0] | {"new_scale": 2.0**28}]
+    assert len(tables.loss_scale_faults(stepped_anyway)) == 1 and len(tables.loss_scale_faults(not_halved)) == 1
+
+
+def test_underflow_shares_and_float_formats():
+    df = tables.underflow([{"residual": 1e-3, "median_abs_grad": 2e-6, "nonzero_fp32": 200, "zero_fp16": 50,
+                            "zero_fp16_scaler": 0}])
+    assert df.loc["1e-03", "lost, no scaler (%)"] == 25.0 and df.loc["1e-03", "lost in fp16 + GradScaler"] == 0
+    import torch
+
+    formats = tables.float_formats([torch.float16, torch.bfloat16])
+    assert formats.loc["float16", "max"] == 65504 and formats.loc["bfloat16", "relative step (eps)"] == 2**-7
+
+
+def test_cast_errors_counts_zeros_and_can_leave_an_outlier_out():
+    import torch
+
+    ref = torch.tensor([10.0, 1.0, 2.0, 4.0])
+    df = tables.cast_errors(ref, {"exact": ref.clone(), "lossy": torch.tensor([10.0, 0.0, 2.0, 4.0])})
+    assert df.loc["exact", "became zero"] == 0 and df.loc["exact", "relative error"] == 0
+    assert df.loc["lossy", "became zero"] == 1 and df.loc["lossy", "of"] == 4
+    rest = tables.cast_errors(ref, {"outlier zeroed": torch.tensor([0.0, 1.0, 2.0, 4.0])}, skip_first=True)
+    assert rest.loc["outlier zeroed", "became zero"] == 0 and rest.loc["outlier zeroed", "of"] == 3
+
+
+def test_activation_and_recomputation_tables():
+    kept = {(8, "none"): 1000, (8, "selective"): 400, (8, "full"): 100}
+    df = tables.activations_kept(kept, {8: 300}, kept | {(8, "full"): 99})
+    assert df.loc[8, "selective (B)"] == 400 and not df.loc[8, "= formula"]
+    flops = {(8, "none"): 100, (8, "selective"): 110, (8, "full"): 150}
+    times = {(8, "none"): [0.010, 0.012, 0.011], (8, "selective"): [0.022] * 3, (8, "full"): [0.014] * 3,
+             (8, "control"): [0.033] * 3}
+    rec = tables.recomputation(kept, flops, flops | {(8, "full"): 1}, times)
+    assert rec.index.tolist() == [(8, "none"), (8, "selective"), (8, "full"), (8, "control")]
+    assert rec.loc[(8, "selective"), "kept (× none)"] == 0.4 and rec.loc[(8, "full"), "FLOPs run (× none)"] == 1.5
+    assert rec.loc[(8, "none"), "FLOPs = formula"] and not rec.loc[(8, "full"), "FLOPs = formula"]
+    assert rec.loc[(8, "selective"), "time (× none)"] == 2.0 and rec.loc[(8, "none"), "step (ms)"] == 11.0
+    assert rec.loc[(8, "control"), "time (× none)"] == 3.0 and math.isnan(rec.loc[(8, "control"), "kept (× none)"])
+
+
+def test_low_precision_speedup_is_amdahl_and_labelled_modelled_in_its_header():
+    df = tables.low_precision_speedup("NVIDIA H100 80GB HBM3", (0.0, 0.5))
+    assert df.loc[0, "at most × faster in fp8"] == 1.0
+    assert df.loc[50, "at most × faster in fp8"] == round(1 / (0.5 + 0.5 / 2), 2)
+
+
+# --- chapter 07: ZeRO and FSDP ------------------------------------------------------------------------
+def test_zero_stages_reproduce_the_zero_papers_figure_1():
+    df = tables.zero_stages(7.5e9, 64)
+    assert df["per device (GB)"].tolist() == [120.0, 31.4, 16.6, 1.9]
+    assert df.loc[3, "communication per step (GB)"] == 1.5 * df.loc[0, "communication per step (GB)"]
+
+
+def test_model_sizes_say_what_fits_and_when_zero1_never_does():
+    df = tables.model_sizes((1e9, 70e9), 80e9)
+    assert df.loc["1B", "fits under DDP"] and not df.loc["70B", "fits under DDP"]
+    assert df.loc["70B", "fewest devices, ZeRO-1"] == "never" and df.loc["70B", "fewest devices, ZeRO-3"] == 16
+
+
+def _state_row(n, mode, measured, total_model, diff=None):
+    return {"N": n, "mode": mode, "numel": 10, "measured": measured, "total": sum(measured.values()),
+            "model": {"total": total_model}, "diff": diff, "impl": None}
+
+
+def test_memory_per_rank_and_share_of_ddp():
+    rows = [_state_row(2, "ddp", {"params": 4e6, "grads": 4e6, "optimizer": 8e6}, 16e6),
+            _state_row(2, "fsdp2", {"params": 2e6, "grads": 2e6, "optimizer": 4.4e6}, 8e6, diff=1e-7)]
+    df = tables.memory_per_rank(rows)
+    assert df.loc[(2, "fsdp2"), "total (MB)"] == 8.4 and df.loc[(2, "fsdp2"), "measured / formula"] == 1.05
+    assert df.loc[(2, "fsdp2"), "|θ − θ_DDP|"] == 1e-7
+    share = tables.share_of_ddp(rows)
+    assert share.loc[(2, "fsdp2"), "parameters"] == 0.5 and share.loc[(2, "fsdp2"), "optimizer states"] == 0.55
+
+
+class _Step:
+    def __init__(self, us):
+        self.duration_us = us
+
+
+class _Rank:
+    def __init__(self, per_step):
+        self.per_step = per_step
+
+    def collective(self, name):
+        return self.per_step
+
+
+class _Analysis:
+    kind = "cpu-gloo"
+
+    def __init__(self, per_step, step_us):
+        self.ranks = {0: _Rank(per_step)}
+        self.steps = [_Step(us) for us in step_us]
+
+
+def test_prefetch_table_from_traces_and_counts():
+    analyses = {"defaults": _Analysis([(4000.0, 4000.0), (6000.0, 6000.0)], [20000, 22000]),
+                "prefetch": _Analysis([(6000.0, 1500.0), (6000.0, 1500.0)], [18000, 18000])}
+    rec = {"all_gathers": 6, "all_gather_bytes": [1.5e6], "async_all_gathers": 0}
+    df = tables.prefetch(analyses, {"defaults": rec, "prefetch": rec | {"async_all_gathers": 6}})
+    assert df.loc["defaults", "hidden (%)"] == 0 and df.loc["prefetch", "hidden (%)"] == 75
+    assert df.loc["defaults", "all-gather (ms)"] == 5.0 and df.loc["defaults", "max (ms)"] == 6.0
+    assert df.loc["prefetch", "exposed (ms)"] == 1.5 and df.loc["defaults", "step (ms)"] == 21.0
+    assert df.loc["prefetch", "async"] == 6
+
+
+def test_unsharded_hsdp_and_accumulation_tables():
+    rec = {"all_gathers": 1, "all_gather_bytes": [4e6], "reduce_scatters": 1, "peak_unsharded_bytes": 4e6,
+           "model_bytes": 4e6}
+    assert tables.unsharded({"root only": rec}).loc["root only", "unsharded at most (MB)"] == 4.0
+    row = {"variant": "hsdp", "mesh": "2x2", "measured": {"params": 1, "grads": 1, "optimizer": 2},
+           "model": {"params": 1, "grads": 1, "optimizer": 3}, "loss diff": 0.0, "param diff": 1e-8}
+    assert not tables.hsdp_states([row]).loc["hsdp", "= formula"]
+    comm = {"hsdp": {"all_reduce": {"group": "replicate", "ranks_list": [0, 2], "counted": 2e6, "calls_bytes": 2e6,
+                                    "sent": 1e6}}}
+    assert tables.hsdp_comm(comm).loc[("hsdp", "all_reduce"), "ranks"] == "[0, 2]"
+    calls = [{"op": "all_gather", "bytes": 1e6}] * 8 + [{"op": "reduce_scatter", "bytes": 1e6}]
+    df = tables.accumulation_calls({"no-sync": {"calls": calls, "max_param_diff": 1e-9}})
+    assert df.loc["no-sync", "all_gather calls"] == 8 and df.loc["no-sync", "reduce_scatter (MB)"] == 1.0

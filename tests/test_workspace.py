@@ -51,3 +51,25 @@ def test_bad_input_says_what_to_do_and_loses_nothing(course, tmp_path):
     assert sorted(p.name for p in mine.glob("*.ipynb")) == ["00_a.ipynb", "01_b.ipynb"]
     out = run_cli("workspace", "--dir", mine, "--refresh", "7")
     assert out.returncode == 2 and "no single chapter '7'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_lettered_chapter_follows_its_number_everywhere(tmp_path, monkeypatch):
+    """07b (a chapter split from 07) is found, ordered after 07, keyed apart from it, and refreshed by its key."""
+    from gpucourse.tools import course as course_mod
+
+    books = tmp_path / "notebooks"
+    books.mkdir()
+    for name in ("08_c.ipynb", "07b_b.ipynb", "07_a.ipynb", "00_z.ipynb", "07-notes.ipynb", ".nbval-07_a.ipynb"):
+        (books / name).write_text(json.dumps({"cells": [], "v": name}))
+    monkeypatch.setattr(course_mod, "notebooks_dir", lambda: books)
+    found = course_mod.find_notebooks()
+    assert [p.name for p in found] == ["00_z.ipynb", "07_a.ipynb", "07b_b.ipynb", "08_c.ipynb"]
+    assert [course_mod.chapter_key(p) for p in found] == ["00", "07", "07b", "08"]
+    assert [p.name for p in course_mod.find_notebooks(["07"])] == ["07_a.ipynb", "07b_b.ipynb"]
+    assert [p.name for p in course_mod.find_notebooks(["07b"])] == ["07b_b.ipynb"]
+    with pytest.raises(course_mod.CourseError, match="not a chapter's file name"):
+        course_mod.chapter_key(books / "07-notes.ipynb")
+    mine = tmp_path / "mywork"
+    sync(mine, found)
+    assert refresh(mine, "07", found)[0].name == "07_a.ipynb"
+    assert refresh(mine, "07b", found)[0].name == "07b_b.ipynb"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,10 @@ from pathlib import Path
 from .argtypes import positive_seconds
 from ..run.paths import project_root
 
-NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
+NOTEBOOK_GLOB = "[0-9][0-9]*_*.ipynb"
+# A chapter's file: its key (two digits, and a letter for a chapter that follows another of the same number, as
+# 07b follows 07), "_", its name. Sorted by file name, 07_... comes before 07b_... ("_" sorts before letters).
+CHAPTER_NAME = re.compile(r"(\d\d[a-z]?)_\w+\.ipynb")
 
 
 class CourseError(ValueError):
@@ -29,9 +33,19 @@ def notebooks_dir() -> Path:
     return root / "notebooks"
 
 
+def chapter_key(path: Path) -> str:
+    """A chapter's key, the part of its file name before the first "_": "07" for 07_zero_and_fsdp.ipynb, "07b"
+    for 07b_precision_and_recomputation.ipynb. What per-chapter tables and file names are keyed by."""
+    found = CHAPTER_NAME.fullmatch(Path(path).name)
+    if not found:
+        raise CourseError(f"{Path(path).name} is not a chapter's file name (NN_name.ipynb or NNx_name.ipynb)")
+    return found.group(1)
+
+
 def find_notebooks(only: list[str] | None = None) -> list[Path]:
-    """Chapter notebooks in order; `only` keeps those whose name starts with or contains one of the names."""
-    books = sorted(notebooks_dir().glob(NOTEBOOK_GLOB))
+    """Chapter notebooks in order; `only` keeps those whose name starts with or contains one of the names
+    ("07" keeps 07 and 07b; "07b" or "07_" one of them)."""
+    books = sorted(p for p in notebooks_dir().glob(NOTEBOOK_GLOB) if CHAPTER_NAME.fullmatch(p.name))
     if not only:
         return books
     picked = [nb for nb in books if any(nb.stem.startswith(n) or n in nb.stem for n in only)]

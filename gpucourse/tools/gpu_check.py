@@ -198,7 +198,7 @@ def check_fsdp_memory(width: int = 2048, depth: int = 8):
 
 
 def check_precision_recipes(width: int = 2048, depth: int = 8):
-    """Chapter 07's mixed-precision script on the GPU: each recipe's counted bytes (checked against the formula in
+    """Chapter 07b's mixed-precision script on the GPU: each recipe's counted bytes (checked against the formula in
     the run) beside torch.cuda.max_memory_allocated; fp16 autocast with GradScaler("cuda") skipping and halving."""
     res = _launch(SCRIPTS / "07_precision.py", nproc=1, backend="nccl", name="gpucheck-precision-recipes",
                   args=["--width", str(width), "--depth", str(depth)])
@@ -614,7 +614,7 @@ def check_fp8(sizes=(4096, 8192), steps: int = 20, d_model: int = 1024, layers: 
               context: int = 512, batch: int = 16):
     """FP8 (torch._scaled_mm, float8_e4m3fn, tensor-wise scales) where the GPU has it: bf16 vs FP8 matmul speed,
     and the capstone's loss over `steps` steps with its MLP's forward matmuls in FP8 against bf16; beside
-    chapter 07's modelled FP8 figures (peak ratio, bytes per parameter)."""
+    chapter 07b's modelled FP8 figures (peak ratio, bytes per parameter)."""
     import statistics
 
     import torch
@@ -695,7 +695,7 @@ def check_fp8(sizes=(4096, 8192), steps: int = 20, d_model: int = 1024, layers: 
                  f"FP8 MLP {losses['fp8_mlp'][-1]:.4f} (largest step difference {max(diffs):.4f}); step "
                  f"{step_ms['bf16']:.1f} -> {step_ms['fp8_mlp']:.1f} ms ({speedup:.2f}x)")
     if figures["modelled_peak_ratio"]:
-        texts.append(f"chapter 07 models fp8 at {figures['modelled_peak_ratio']:.1f}x bf16's peak and "
+        texts.append(f"chapter 07b models fp8 at {figures['modelled_peak_ratio']:.1f}x bf16's peak and "
                      f"{figures['modelled_bytes_per_param']['fp8']} vs {figures['modelled_bytes_per_param']['mixed']} "
                      "bytes/parameter")
     finite = all(map(lambda v: v == v and abs(v) < 1e4, losses["fp8_mlp"]))
@@ -793,7 +793,7 @@ def check_gloo_cuda_segv(runs: int = 3, nproc: int = 2, width: int = 128, depth:
 
 # --- one chapter at its default sizes ---------------------------------------------------------------------
 def check_default_sizes():
-    """Chapter 03's DDP training script and chapter 07's precision script at their default sizes, 1 rank on the
+    """Chapter 03's DDP training script and chapter 07b's precision script at their default sizes, 1 rank on the
     GPU (what the notebooks launch there): time per step, and torch.cuda.max_memory_allocated per recipe."""
     import statistics
 

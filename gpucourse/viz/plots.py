@@ -719,3 +719,50 @@ def moe_load_balance(series: dict, label: str = ""):
            title=f"Expert load per step, whole batch ({label})")
     ax.legend(fontsize=8)
     return _finish(fig)
+
+
+# --- chapter 07: HSDP against FSDP and DDP --------------------------------------------------------------------
+def hsdp_figure(state_rows: list, comm: dict, cross: dict, *, ranks_per_node: int, title: str = ""):
+    """Left: model states per rank (MB, largest over the ranks) of each variant, measured. Right: MB each rank sends
+    per step, stacked by collective, with a cross (x) for the part sent in groups that span nodes of
+    `ranks_per_node`. state_rows: sharding.hsdp_states; comm: sharding.hsdp_comm's first value; cross:
+    sharding.cross_node_sent."""
+    fig = Figure(figsize=(11, 3.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    names = [f"{row['variant']}\n{row['mesh']}" for row in state_rows]
+    parts = {"parameters": "params", "gradients": "grads", "optimizer m, v": "optimizer"}
+    stacked_bars(left, names, {part: [row["measured"][key] / 1e6 for row in state_rows] for part, key in parts.items()})
+    left.set(ylabel="MB per rank (max over ranks)", title="model states per rank, measured")
+    left.legend(fontsize=8)
+    variants = [row["variant"] for row in state_rows]
+    ops = ("all_gather", "reduce_scatter", "all_reduce")
+    sent = {op: [comm[v].get(op, {}).get("sent", 0) / 1e6 for v in variants] for op in ops}
+    stacked_bars(right, names, sent, colours={op: f"C{i + 3}" for i, op in enumerate(ops)})
+    right.plot(names, [cross[v] / 1e6 for v in variants], "kx", ms=10, mew=2,
+               label=f"of which across nodes of {ranks_per_node}")
+    top = max(sum(values) for values in zip(*sent.values()))
+    right.set(ylabel="MB sent per rank per step", title="communication per rank: counted, sent as a ring would",
+              ylim=(0, 1.35 * top if top else 1))
+    right.legend(fontsize=8, ncols=2, loc="upper left")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def model_states_per_rank(rows: list, labels: dict, title: str = ""):
+    """One panel per world size: each mode's measured model states per rank (MB, largest over the ranks), stacked
+    by part, with the formula's total as a tick. rows: sharding.measured_states; labels: {N: "CPU, gloo"}, the
+    device and backend each world size ran on (the panel's title)."""
+    worlds = list(dict.fromkeys(row["N"] for row in rows))
+    parts = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states"}
+    fig = Figure(figsize=(5.5 * len(worlds), 3.6), layout="constrained")
+    for ax, n in zip(fig.subplots(1, len(worlds), squeeze=False)[0], worlds):
+        mine = [row for row in rows if row["N"] == n]
+        stacked_bars(ax, [row["mode"] for row in mine],
+                     {part: [row["measured"][key] / 1e6 for row in mine] for key, part in parts.items()},
+                     totals=[row["model"]["total"] / 1e6 for row in mine], totals_label="formula (fp32)")
+        ax.set(title=f"{n} ranks ({labels[n]})", ylabel="MB per rank (max)")
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return fig

@@ -338,3 +338,268 @@ def tp_cost(model: dict) -> pd.DataFrame:
             for (tp, link), (compute, comm) in model.items()]
     return pd.DataFrame(rows).set_index(["TP", "link"]).round(
         {"compute (ms)": 3, "link (GB/s, nominal)": 0, "4 all-reduces (ms)": 3, "comm / compute": 2})
+
+
+# --- chapter 07b: precision and recomputation ---------------------------------------------------------
+STATE_PARTS = ("parameters", "gradients", "master weights", "optimizer states")
+
+
+def recipe_bytes(optimizer: str = "adamw") -> pd.DataFrame:
+    """Bytes per parameter of each model state under each precision recipe (costs.recipe_bytes_per_param); the
+    recipes a CPU run cannot hold (fp8) marked modelled."""
+    rows = [{"recipe": r, **{f"{k} (B/param)": v for k, v in costs.recipe_bytes_per_param(r, optimizer).items()},
+             "source": "measured below" if r in costs.MEASURED_RECIPES else "MODELLED"} for r in costs.RECIPES]
+    return pd.DataFrame(rows).set_index("recipe")
+
+
+def recipe_states(recipes: dict, optimizer: str = "adamw") -> pd.DataFrame:
+    """Each recipe's model states counted after a real step, per parameter, beside the formula. recipes:
+    {name: the run's record: "num_params", "num_tensors", "dtype", "state_dtype", "parameters", "gradients",
+    "master_weights", "optimizer_states", "step_counters", "weight_copies", "cuda_peak", "cuda_held"}.
+    "= formula": every part equal to costs.recipe_bytes_per_param; step counters (4 bytes per tensor) apart."""
+    rows = []
+    for name, rec in recipes.items():
+        numel, formula = rec["num_params"], costs.recipe_bytes_per_param(name, optimizer)
+        measured = {part: rec[part.replace(" ", "_")] / numel for part in STATE_PARTS}
+        row = {"recipe": name, "dtype": rec["dtype"], "states dtype": rec["state_dtype"],
+               **{f"{part} (B/param)": v for part, v in measured.items()},
+               "= formula": all(measured[p] == formula[p] for p in STATE_PARTS),
+               "step counters (B)": rec["step_counters"],
+               "= 4 B per tensor": rec["step_counters"] == 4 * rec["num_tensors"],
+               "16-bit weight copies kept (B/param)": round(rec.get("weight_copies", 0) / numel, 2)}
+        if rec.get("cuda_peak") is not None:
+            row |= {"CUDA peak (B/param)": round(rec["cuda_peak"] / numel, 2),
+                    "CUDA held after the step (B/param)": round(rec["cuda_held"] / numel, 2)}
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("recipe")
+
+
+def loss_scale_steps(steps: list[dict]) -> pd.DataFrame:
+    """GradScaler step by step: the scale used, whether a gradient overflowed, whether the step changed the
+    parameters, the scale after update(), the loss. steps: the run's records {"step", "scale", "overflow",
+    "params_changed", "new_scale", "loss"}."""
+    rows = [{"step": r["step"], "scale": f"2^{math.log2(r['scale']):g}", "overflow": r["overflow"],
+             "step taken": r["params_changed"], "new scale": f"2^{math.log2(r['new_scale']):g}",
+             "loss": round(r["loss"], 4)} for r in steps]
+    return pd.DataFrame(rows).set_index("step")
+
+
+def loss_scale_faults(steps: list[dict]) -> list[str]:
+    """What GradScaler got wrong in these steps, as sentences (empty: it skipped exactly the overflowing steps,
+    halving the scale each time, and kept or doubled it otherwise)."""
+    faults = []
+    for r in steps:
+        if r["params_changed"] == r["overflow"]:
+            faults.append(f"step {r['step']}: overflow {r['overflow']} but parameters changed {r['params_changed']}")
+        ok = (r["new_scale"] == r["scale"] / 2 if r["overflow"] else r["new_scale"] in (r["scale"], 2 * r["scale"]))
+        if not ok:
+            faults.append(f"step {r['step']}: scale {r['scale']} -> {r['new_scale']} after overflow {r['overflow']}")
+    return faults
+
+
+def underflow(records: list[dict]) -> pd.DataFrame:
+    """Gradient elements non-zero in fp32 that fp16 autocast made zero, per residual, without and with a
+    GradScaler. records: {"residual", "median_abs_grad", "nonzero_fp32", "zero_fp16", "zero_fp16_scaler"}."""
+    rows = [{"residual": f"{r['residual']:.0e}", "median |grad| in fp32": f"{r['median_abs_grad']:.1e}",
+             "lost in fp16, no scaler": r["zero_fp16"],
+             "lost, no scaler (%)": round(100 * r["zero_fp16"] / r["nonzero_fp32"], 1),
+             "lost in fp16 + GradScaler": r["zero_fp16_scaler"],
+             "lost, GradScaler (%)": round(100 * r["zero_fp16_scaler"] / r["nonzero_fp32"], 1)} for r in records]
+    return pd.DataFrame(rows).set_index("residual")
+
+
+def float_formats(dtypes) -> pd.DataFrame:
+    """Range and precision of floating-point dtypes (torch.finfo): largest value, smallest normal, relative step."""
+    import torch
+
+    rows = [{"dtype": str(dt).replace("torch.", ""), "max": torch.finfo(dt).max,
+             "smallest normal": torch.finfo(dt).smallest_normal, "relative step (eps)": torch.finfo(dt).eps}
+            for dt in dtypes]
+    return pd.DataFrame(rows).set_index("dtype")
+
+
+def cast_errors(reference, casts: dict, *, skip_first: bool = False) -> pd.DataFrame:
+    """What casting lost, per cast: elements that became zero and the relative error (L2) against `reference`.
+    casts: {name: the values after the cast (same shape)}; skip_first: leave element 0 out (an outlier placed
+    there on purpose), counting the others only."""
+    start = 1 if skip_first else 0
+    ref = reference.flatten()[start:]
+    rows = []
+    for name, approx in casts.items():
+        got = approx.flatten()[start:]
+        rows.append({"cast": name, "became zero": int((got == 0).sum()), "of": ref.numel(),
+                     "relative error": round(((got - ref).norm() / ref.norm()).item(), 3)})
+    return pd.DataFrame(rows).set_index("cast")
+
+
+def activations_kept(kept: dict, fused: dict, expected: dict, modes=("none", "selective", "full")) -> pd.DataFrame:
+    """Bytes one layer keeps for backward, per sequence length and recomputation mode, counted; "= formula" says
+    whether every mode's count equals `expected` ({(seq, mode): bytes}). kept: {(seq, mode): bytes};
+    fused: {seq: bytes with a fused attention kernel}."""
+    seqs = sorted({s for s, _ in kept})
+    rows = [{"s": s, **{f"{m} (B)": kept[s, m] for m in modes}, "fused attention (B)": fused.get(s),
+             "= formula": all(kept[s, m] == expected[s, m] for m in modes)} for s in seqs]
+    return pd.DataFrame(rows).set_index("s")
+
+
+def recomputation(kept: dict, flops: dict, expected_flops: dict, times: dict,
+                  modes=("none", "selective", "full")) -> pd.DataFrame:
+    """Each mode's trade at each sequence length, relative to no recomputation (modes[0]): bytes kept, FLOPs run
+    (and whether they equal `expected_flops`), step time (median of `times`, with its min and max). A mode in
+    `times` but not in `kept` (a control) gets its time only. All dicts keyed (seq, mode); times in seconds."""
+    import statistics
+
+    base = modes[0]
+    rows = []
+    order = list(dict.fromkeys([*modes, *(m for _, m in times)]))  # the modes, then the controls
+    for (s, m), t in sorted(times.items(), key=lambda item: (item[0][0], order.index(item[0][1]))):
+        measured = (s, m) in kept
+        median = statistics.median(t)
+        rows.append({"s": s, "mode": m,
+                     "kept (× none)": round(kept[s, m] / kept[s, base], 3) if measured else None,
+                     "FLOPs run (× none)": round(flops[s, m] / flops[s, base], 2) if measured else None,
+                     "FLOPs = formula": flops[s, m] == expected_flops[s, m] if measured else None,
+                     "step (ms)": round(1e3 * median, 1), "min (ms)": round(1e3 * min(t), 1),
+                     "max (ms)": round(1e3 * max(t), 1),
+                     "time (× none)": round(median / statistics.median(times[s, base]), 2)})
+    return pd.DataFrame(rows).set_index(["s", "mode"])
+
+
+def low_precision_speedup(device: str, shares, fast: str = "fp8", base: str = "bf16") -> pd.DataFrame:
+    """MODELLED: the most a step can gain when its matrix products run at `fast`'s datasheet peak instead of
+    `base`'s (costs.low_precision_speedup, Amdahl: everything else unchanged), for each share of the step's time
+    that the matrix products take."""
+    rows = [{"matrix products (% of a step)": round(100 * f), f"at most × faster in {fast}":
+             round(costs.low_precision_speedup(f, device, dtype=fast, baseline=base), 2)} for f in shares]
+    return pd.DataFrame(rows).set_index("matrix products (% of a step)")
+
+
+# --- chapter 07: ZeRO and FSDP ------------------------------------------------------------------------
+def _gb(num_bytes) -> float:
+    return round(num_bytes / 1e9, 1)  # decimal GB, as the ZeRO paper counts
+
+
+def zero_stages(num_params, world_size, **kwargs) -> pd.DataFrame:
+    """MODELLED: each ZeRO stage's model states per device (memory.model_states) and its communication per rank
+    and step (costs.zero_comm_volume), in decimal GB. kwargs: model_states' optimizer, precision, offload."""
+    from ..models.memory import model_states
+
+    rows = []
+    for stage in range(4):
+        row = model_states(num_params, world_size, stage, **kwargs)
+        rows.append({"stage": stage, "parameters (GB)": _gb(row["parameters"]), "gradients (GB)": _gb(row["gradients"]),
+                     "optimizer states (GB)": _gb(row["optimizer states"]), "per device (GB)": _gb(row["total"]),
+                     "communication per step (GB)": _gb(costs.zero_comm_volume(num_params, stage))})
+    return pd.DataFrame(rows).set_index("stage")
+
+
+def model_sizes(sizes, device_bytes, *, node=8) -> pd.DataFrame:
+    """MODELLED: for each model size (parameters), mixed-precision Adam's model states per device under DDP and on
+    one `node`-device node under ZeRO-1 and ZeRO-3, and the fewest devices (a power of 2) whose states fit in
+    device_bytes under each ("never": ZeRO-1's replicated 4 bytes per parameter alone do not fit)."""
+    from ..models.memory import model_states
+    from ..models.sharding import fewest_devices
+
+    rows = []
+    for psi in sizes:
+        ddp = model_states(psi, 1, 0)["total"]
+        rows.append({"model": f"{psi / 1e9:g}B", "DDP per device (GB)": _gb(ddp), "fits under DDP": ddp <= device_bytes,
+                     f"ZeRO-1 on {node} (GB)": _gb(model_states(psi, node, 1)["total"]),
+                     f"ZeRO-3 on {node} (GB)": _gb(model_states(psi, node, 3)["total"]),
+                     "fewest devices, ZeRO-1": fewest_devices(psi, 1, device_bytes) or "never",
+                     "fewest devices, ZeRO-3": fewest_devices(psi, 3, device_bytes) or "never"})
+    return pd.DataFrame(rows).set_index("model")
+
+
+def memory_per_rank(rows: list) -> pd.DataFrame:
+    """Chapter 07's measured bytes per rank (the largest over the ranks), MB, beside the formula's total, their
+    ratio, and how far rank 0's final parameters ended from DDP's. rows: sharding.measured_states."""
+    from ..models.sharding import STATE_KEYS
+
+    out = []
+    for row in rows:
+        out.append({"N": row["N"], "mode": row["mode"],
+                    **{f"{part} (MB)": round(row["measured"][k] / 1e6, 3) for k, part in STATE_KEYS.items()},
+                    "total (MB)": round(row["total"] / 1e6, 3), "formula (MB)": round(row["model"]["total"] / 1e6, 3),
+                    "measured / formula": round(row["total"] / row["model"]["total"], 6),
+                    "|θ − θ_DDP|": row["diff"]})
+    return pd.DataFrame(out).set_index(["N", "mode"])
+
+
+def share_of_ddp(rows: list) -> pd.DataFrame:
+    """Each mode's bytes of each part as a share of DDP's at the same world size, beside 1/N."""
+    from ..models.sharding import STATE_KEYS, share_of_ddp as shares
+
+    out = [{"N": n, "mode": mode, **{part: round(s[k], 3) for k, part in STATE_KEYS.items()}, "1/N": round(1 / n, 3)}
+           for (n, mode), s in shares(rows).items()]
+    return pd.DataFrame(out).set_index(["N", "mode"])
+
+
+def prefetch(analyses: dict, records: dict) -> pd.DataFrame:
+    """FSDP2's variants from their traces, per step over every rank's profiled steps: all-gathers counted (how
+    many, MB each, how many issued asynchronously), all-gather time and its exposed part (mean, min, max, ms), the
+    share hidden under compute, the step time. analyses: {variant: traces.analyze_run}; records: {variant: rank
+    0's record}."""
+    import statistics
+
+    from ..models.sharding import all_gather_ms
+
+    rows = []
+    for v, analysis in analyses.items():
+        rec, ag = records[v], all_gather_ms(analysis)
+        total, exposed = [t for t, _ in ag], [e for _, e in ag]
+        rows.append({"variant": v, "all-gathers": rec["all_gathers"],
+                     "MB each": round(rec["all_gather_bytes"][0] / 1e6, 2),
+                     "async": rec["async_all_gathers"], "all-gather (ms)": round(statistics.mean(total), 1),
+                     "min (ms)": round(min(total), 1), "max (ms)": round(max(total), 1),
+                     "exposed (ms)": round(statistics.mean(exposed), 1),
+                     "hidden (%)": round(100 * (1 - sum(exposed) / sum(total)), 0) if sum(total) else math.nan,
+                     "step (ms)": round(statistics.mean(s.duration_us / 1e3 for s in analysis.steps), 1)})
+    return pd.DataFrame(rows).set_index("variant")
+
+
+def unsharded(records: dict) -> pd.DataFrame:
+    """Per FSDP2 wrapping (records: {name: rank 0's record}): all-gathers and reduce-scatters of a step, MB each,
+    and the most parameter MB unsharded while a layer runs forward, against the model's."""
+    rows = [{"wrapping": name, "all-gathers": rec["all_gathers"], "MB each": round(rec["all_gather_bytes"][0] / 1e6, 2),
+             "reduce-scatters": rec["reduce_scatters"],
+             "unsharded at most (MB)": round(rec["peak_unsharded_bytes"] / 1e6, 2),
+             "model (MB)": round(rec["model_bytes"] / 1e6, 2)} for name, rec in records.items()]
+    return pd.DataFrame(rows).set_index("wrapping")
+
+
+def hsdp_states(rows: list) -> pd.DataFrame:
+    """DDP, FSDP and HSDP bytes per rank (MB, largest over the ranks) beside the formula, "= formula" when every
+    part is exact, and the largest loss and parameter differences from one process. rows: sharding.hsdp_states."""
+    from ..models.sharding import STATE_KEYS
+
+    out = []
+    for row in rows:
+        out.append({"variant": row["variant"], "mesh": row["mesh"],
+                    **{f"{part} (MB)": round(row["measured"][k] / 1e6, 3) for k, part in STATE_KEYS.items()},
+                    "formula total (MB)": round(sum(row["model"].values()) / 1e6, 3),
+                    "= formula": row["measured"] == row["model"],
+                    "max |Δloss|": row["loss diff"], "max |Δθ|": row["param diff"]})
+    return pd.DataFrame(out).set_index("variant")
+
+
+def hsdp_comm(comm: dict) -> pd.DataFrame:
+    """Rank 0's collectives of one step per variant and group (sharding.hsdp_comm): MB counted (handed to the
+    collective), the formula's, and MB a bandwidth-optimal algorithm sends for it."""
+    rows = [{"variant": v, "collective": op, "group": f["group"], "ranks": str(f["ranks_list"]),
+             "counted (MB)": round(f["counted"] / 1e6, 3), "formula (MB)": round(f["calls_bytes"] / 1e6, 3),
+             "sent per rank (MB)": round(f["sent"] / 1e6, 3)} for v, ops in comm.items() for op, f in ops.items()]
+    return pd.DataFrame(rows).set_index(["variant", "collective"])
+
+
+def accumulation_calls(records: dict, ops=("all_gather", "reduce_scatter")) -> pd.DataFrame:
+    """Per gradient-accumulation variant (records: {variant: rank 0's record with "calls" [{"op", "bytes"}] and
+    "max_param_diff"}): calls and MB of each collective in one step, and the distance from one process."""
+    rows = []
+    for variant, rec in records.items():
+        row = {"variant": variant}
+        for op in ops:
+            sizes = [c["bytes"] for c in rec["calls"] if c["op"] == op]
+            row |= {f"{op} calls": len(sizes), f"{op} (MB)": round(sum(sizes) / 1e6, 3)}
+        rows.append(row | {"max |Δθ| vs one process": rec["max_param_diff"]})
+    return pd.DataFrame(rows).set_index("variant")

@@ -265,6 +265,14 @@ def test_trace_breakdown_has_a_row_per_rank_and_blank_overlap_without_comm():
         tables.trace_breakdown(fake_analysis([]))
 
 
+def test_trace_breakdowns_stack_the_runs():
+    df = tables.trace_breakdowns({"a": fake_analysis([trace_row(0, 0.5)]), "b": fake_analysis([trace_row(0, 0.25),
+                                                                                             trace_row(1, 0.75)])})
+    assert df.loc[("b", 1), "hidden (%)"] == 75.0 and len(df) == 3
+    with pytest.raises(ValueError, match="no runs"):
+        tables.trace_breakdowns({})
+
+
 def test_ddp_modes_give_what_communication_adds_to_compute_alone():
     from tests.test_ddpsteps import fake_run
 

@@ -341,6 +341,13 @@ def trace_breakdown(analysis) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("rank").round(1)
 
 
+def trace_breakdowns(analyses: dict) -> pd.DataFrame:
+    """trace_breakdown of several runs, one block of rows per run: {title: traces.analyze_run(...)}."""
+    if not analyses:
+        raise ValueError("no runs to show: pass {title: traces.analyze_run(...)}")
+    return pd.concat({title: trace_breakdown(a) for title, a in analyses.items()}, names=["run"])
+
+
 def ddp_modes(res) -> pd.DataFrame:
     """Chapter 03's main run, one row per mode: its median step (ms, mean over ranks), the 10th and 90th
     percentile of all ranks' steps, and what communication adds to compute alone (ms and %)."""

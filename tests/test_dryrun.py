@@ -24,6 +24,7 @@ PIPELINE = ROOT / "scripts" / "05_pipeline.py"
 DTENSOR_TP = ROOT / "scripts" / "06_dtensor_tp.py"
 FSDP_MEMORY = ROOT / "scripts" / "07_memory.py"
 CONTEXT = ROOT / "scripts" / "10_context_parallel.py"
+MOE = ROOT / "scripts" / "11_moe.py"
 SMOKE = {CAPSTONE: ["--steps", "2", "--eval-batches", "0", "--sample", "0", "--layers", "1", "--batch", "4"],
          DDP: ["--steps", "2", "--warmup", "2", "--profile-steps", "0", "--hidden", "64", "--layers", "2"],
          DDP_COMPARE: [str(ROOT / "solutions" / "ex02_ddp.py"), "--steps", "2", "--batch", "4"],
@@ -31,13 +32,17 @@ SMOKE = {CAPSTONE: ["--steps", "2", "--eval-batches", "0", "--sample", "0", "--l
          DTENSOR_TP: ["--hidden", "32", "--seq", "4", "--impl", str(ROOT / "solutions" / "ex06_tensor_parallel.py")],
          FSDP_MEMORY: ["--modes", "fsdp2", "--steps", "2", "--width", "64", "--depth", "2", "--batch", "8"],
          CONTEXT: ["--only", "training", "--seq", "16", "--heads", "2", "--head-dim", "8", "--vocab", "16",
-                   "--impl", str(ROOT / "solutions" / "ex10_ring_attention.py")]}
+                   "--impl", str(ROOT / "solutions" / "ex10_ring_attention.py")],
+         MOE: ["--mode", "timing", "--router", "uniform", "--steps", "2", "--warmup", "0", "--tokens", "16",
+               "--impl", str(ROOT / "solutions" / "ex11_expert_parallel.py")]}
 # At world 2: the capstone with FSDP over 2 ranks, and with tensor parallelism over 2; DDP over 2 (chapters 03 and
 # 02); a pipeline of 2 stages (05); an MLP block split over 2 by DTensor and by ex06's layers (06); FSDP2 (07); a
-# small model trained with its sequence split over 2 (10: all-gathered K/V, gradients all-reduced).
+# small model trained with its sequence split over 2 (10: all-gathered K/V, gradients all-reduced); an MoE layer's
+# experts over 2 (11), uniformly routed: what the dry run assumes every rank receives is then exactly what it does.
 CASES = {"capstone-fsdp": (CAPSTONE, ["--dp", "2", "--tp", "1"]), "capstone-tp": (CAPSTONE, ["--dp", "1", "--tp", "2"]),
          "ddp": (DDP, []), "ddp-compare": (DDP_COMPARE, []), "pipeline": (PIPELINE, []), "dtensor-tp": (DTENSOR_TP, []),
-         "fsdp-memory": (FSDP_MEMORY, []), "context": (CONTEXT, [])}
+         "fsdp-memory": (FSDP_MEMORY, []), "context": (CONTEXT, []),
+         "moe": (MOE, [])}
 # The step each case reports: the last it logged (--steps 2 from 0; the pipeline counts from 1; chapter 10 trains 3
 # steps); None where the script logs no step (the whole run is one forward and backward)
 LAST_STEP = {"pipeline": 2, "dtensor-tp": None, "context": 2}
@@ -71,11 +76,12 @@ def test_dry_counts_equal_the_real_gloo_run(real_and_dry):
         # peak (64 KiB apart in the TP case, 1 run in 8 under two CPU burners). Counted, not compared.
         assert dry[r]["peak_bytes"] > 0 and real[r]["peak_bytes"] > 0
         assert dry[r]["flops"] == real[r]["flops"] > 0
+        assert real[r]["assumptions"] == [] and bool(dry[r]["assumptions"]) == (case == "moe")  # stated, in dry runs
 
 
 def test_model_states_equal_the_zero_formulas(real_and_dry):
     case, result, _, dry = real_and_dry
-    if case in ("ddp-compare", "pipeline", "dtensor-tp", "context"):
+    if case in ("ddp-compare", "pipeline", "dtensor-tp", "context", "moe"):
         pytest.skip(f"{case}: no optimizer step to count (pipeline, tensor and context parallel: plain SGD by "
                     "hand), or three models in turn")
     key = "num_params" if case == "fsdp-memory" else "params"  # 07_memory.py's "params" are bytes

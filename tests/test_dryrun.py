@@ -181,3 +181,14 @@ def test_bytes_follow_nccl_tests():
     assert [(r["op"], r["bytes"]) for r in rows] == [("all_to_all_single", 32), ("all_gather_tensor", 64),
                                                      ("send", 8)]
     assert rows[2]["peers"] == [1]
+
+
+def test_the_text_report_states_each_assumption_beside_the_figures():
+    from gpucourse.viz.reports import dryrun_text
+
+    rank = {"rank": 3, "step": 1, "peak_bytes": 2048, "memory": dict.fromkeys(dr.PARTS, 0) | {"other": 2048},
+            "flops": 10, "comms": [], "assumptions": ["every rank routes as this one"]}
+    text = dryrun_text({"script": "scripts/11_moe.py", "world": 8, "ranks": [rank]})
+    lines = text.splitlines()
+    assert lines[1].startswith("rank 3, step 1") and lines[2] == "  ASSUMED: every rank routes as this one"
+    assert "ASSUMED" not in dryrun_text({"script": "s.py", "world": 8, "ranks": [rank | {"assumptions": []}]})

@@ -1,10 +1,12 @@
 """Chapter 02: your DDP and BucketedDDP (exercise ex02) against torch's DistributedDataParallel.
 
     torchrun --nproc-per-node 2 scripts/02_ddp_compare.py exercises/ex02_ddp.py [--steps 30]
+    gpucourse dryrun scripts/02_ddp_compare.py --world 1024 -- exercises/ex02_ddp.py --steps 2   # DDP over 1,024 ranks
 
 Three copies of one MLP, from the same initial weights, train on the same batches: torch's DDP, your DDP and
 your BucketedDDP. Every step runs all three, in rotating order so that none always goes first, and times
-each. Logged per step: each one's loss and step time, and its largest parameter difference from torch's.
+each. Logged per step: each one's loss and step time, and its largest parameter difference from torch's (None in
+a dry run, where no value means anything).
 """
 import argparse
 import time
@@ -50,7 +52,7 @@ def train_step(name, x, y):
     if name != "torch DDP":
         model.finish_gradient_synchronization()
     opt.step()
-    value = loss.item()  # waits for the GPU, if any: the time below includes the step's work
+    value = runtime.value(loss)  # waits for the GPU, if any: the time below includes the step's work
     return value, time.perf_counter() - start
 
 
@@ -62,7 +64,7 @@ for step in range(args.steps):
     for name in names[step % 3:] + names[:step % 3]:
         losses[name], seconds[name] = train_step(name, x, y)
     reference = list(models["torch DDP"].parameters())
-    diffs = {name: max((p - q).abs().max().item() for p, q in zip(models[name].parameters(), reference))
+    diffs = {name: runtime.value(max((p - q).abs().max() for p, q in zip(models[name].parameters(), reference)))
              for name in names[1:]}
     runtime.log(step=step, total=args.steps, loss=losses, seconds=seconds, max_diff=diffs)
 runtime.teardown()

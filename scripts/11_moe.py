@@ -32,6 +32,11 @@ none, and the script stops saying what to write. Every record names which ran ("
 Routers: "learned" (the router's own logits), "skewed" (the same plus a large bias towards a few experts,
 the collapse that the load-balancing loss fights), "uniform" (a perfectly balanced assignment, round robin:
 the routing the volume formula assumes).
+
+    gpucourse dryrun scripts/11_moe.py --world 1024 -- --mode timing --router uniform --experts 1024 --steps 2
+
+A dry run (fake process group) exchanges no counts: every rank is assumed to route its tokens as this rank does
+(uniform: T·k/E rows per expert from every rank; --router skewed for a skew), stated beside the report's figures.
 """
 import argparse
 import contextlib
@@ -161,6 +166,15 @@ def dispatch_rules(moe: MoE, priority: str, mistake: str | None):
                 return output.copy_(input)
             return exchange(output, input, *args, **kwargs)
         dist.all_to_all_single = assumed
+    elif runtime.dry_run():  # the fake group delivers no counts: each rank is assumed to route as this one does
+        def dry_counts(output, input, *args, **kwargs):
+            work = exchange(output, input, *args, **kwargs)  # issued (and counted) as in a real run
+            if input.dtype == torch.int64:  # from every rank, what this rank sends its own experts
+                group = kwargs.get("group", args[2] if len(args) > 2 else None)
+                n, r = dist.get_world_size(group), dist.get_rank(group)
+                output.copy_(input.view(n, -1)[r].repeat(n))
+            return work
+        dist.all_to_all_single = dry_counts
     try:
         yield
     finally:
@@ -245,8 +259,14 @@ def tokens_of(source: int, args, dev) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(args.tokens, args.hidden, generator=g).to(dev))
 
 
-def max_diff(a, b) -> float:
-    return 0.0 if a is None and b is None else (a.detach().double() - b.detach().double()).abs().max().item()
+def max_diff(a, b) -> float | None:
+    """None in a dry run, where no value means anything."""
+    return 0.0 if a is None and b is None else runtime.value((a.detach().double() - b.detach().double()).abs().max())
+
+
+def worst(diffs) -> float | None:
+    diffs = list(diffs)
+    return None if None in diffs else max(diffs)
 
 
 def grads(moe: MoE, experts) -> dict:
@@ -301,8 +321,8 @@ def check(args, ctx, counter, dev, ex11, router, capacity_factor, group=None, dp
     diffs = {"output": max_diff(y, ref[me]["y"]), "tokens.grad": max_diff(x.grad, ref[me]["x.grad"]),
              "router.grad": max_diff(got.pop("router.weight"), want.pop("router.weight"))}
     if moe.shared:
-        diffs["shared grads"] = max(max_diff(got.pop(k), want.pop(k)) for k in replicated[1:])
-    diffs["experts' grads"] = max(max_diff(got[k], want[k]) for k in got)
+        diffs["shared grads"] = worst(max_diff(got.pop(k), want.pop(k)) for k in replicated[1:])
+    diffs["experts' grads"] = worst(max_diff(got[k], want[k]) for k in got)
     dropped = int((~kept).sum())
     first_kept = {p: kept_mask(moe, ids, capacity, p)[:, 0] for p in PRIORITIES}  # same routing, both rules
     return {"diffs": diffs, "dropped": dropped, "priority": priority,
@@ -337,6 +357,7 @@ def timing(args, ctx, dev, ex11):
             torch.cuda.synchronize()  # GPU work is asynchronous: wait for it before reading the clock
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+        runtime.log(step=step)  # a dry run reports the last step logged
     median = {name: sorted(t[args.warmup:])[len(t[args.warmup:]) // 2] for name, t in parts.items()}
     return {"step_s": sorted(times)[len(times) // 2], "expert_s": median["expert"],
             "dispatch_s": median["dispatch"], "rows_here": int(rows.sum())}
@@ -455,6 +476,8 @@ def main() -> None:
     args.experts, args.ffn, args.top_k = args.experts * args.fine, args.ffn // args.fine, args.top_k * args.fine
     ctx = runtime.setup(seed=0)
     dev = ctx.device
+    runtime.assume(f"tokens per expert: every rank routes its {args.tokens} tokens as this rank does ({args.router[0]} "
+                   "router): each receives from every rank the counts it sends its own experts")  # dry runs only
     if "mistake" in args.mode and not args.mistake:
         parser.error("--mode mistake needs --mistake no-counts, wrong-order or silent-drop")
     ep = ctx.world_size // args.dp if "mesh" in args.mode else ctx.world_size

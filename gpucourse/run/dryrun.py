@@ -26,6 +26,8 @@ What is counted, per rank, for ONE step, the last the script logged:
   optimizer (state), activations (made in forward or outside any module), other (buffers, backward's temporaries).
   flops: FlopCounterMode's formulas on each local op (a DTensor's shard, not its global shape); the CPU's fused
   attention kernel is counted with the flash kernel's formula (FlopCounterMode alone counts it as 0).
+  assumptions: what the script stated (runtime.assume) where a size depends on values the fake group does not
+  deliver (the counts an MoE layer receives before its all-to-all): reported beside the figures.
 Not modelled: NCCL's own buffers, the allocator's fragmentation, the time anything takes.
 """
 from __future__ import annotations
@@ -150,6 +152,7 @@ class StepCounter:
         self._flop_mode = LocalFlops()
         self._flop_mode.__enter__()
         self.marks: list[dict] = []  # one per runtime.log(step=...): where the records stood
+        self.assumptions: list[str] = []  # runtime.assume(): what the script supplied in place of the fake group
         self._open = self._now()
         self.finished = False
 
@@ -199,7 +202,7 @@ class StepCounter:
                 "steps_logged": len({m["step"] for m in self.marks}),
                 "peak_bytes": _total(peak), "memory": _parts(peak), "model_states": end["model_states"],
                 "comms": summarise_comms(self.recorder.events[start["events"]:end["events"]]),
-                "flops": end["flops"] - start["flops"]}
+                "flops": end["flops"] - start["flops"], "assumptions": list(self.assumptions)}
 
     def finish(self) -> None:
         """Write the report (once), then stop counting."""

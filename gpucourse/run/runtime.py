@@ -73,6 +73,13 @@ def value(tensor) -> float | None:
     return tensor.item() if isinstance(tensor, torch.Tensor) else float(tensor)
 
 
+def assume(text: str) -> None:
+    """State an assumption a dry run's figures rest on, where the script supplies what the fake group cannot (the
+    counts an MoE layer would receive, say): the dry run reports it beside the figures. Nothing outside a dry run."""
+    if dry_run() and _counter is not None and text not in _counter.assumptions:
+        _counter.assumptions.append(text)
+
+
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 

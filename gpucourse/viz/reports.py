@@ -7,14 +7,17 @@ from ..models.units import human_bytes, human_si
 
 
 def dryrun_text(result: dict) -> str:
-    """Per simulated rank: the step's memory peak and parts, FLOPs, the modelled step time where the result has
-    one ("predicted", labelled MODELLED), and every collective with its group, calls and bytes."""
+    """Per simulated rank: the step's memory peak and parts, FLOPs, what the script assumed (ASSUMED), the
+    modelled step time where the result has one ("predicted", labelled MODELLED), and every collective with its
+    group, calls and bytes."""
     lines = [f"dry run of {Path(result['script']).name} at world {result['world']:,} (fake process group: memory, "
              "FLOPs and bytes counted, not measured; a step time, where shown, is modelled)"]
     for r in result["ranks"]:
         parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in r["memory"].items())
         lines.append(f"rank {r['rank']}, step {r['step']}: peak {human_bytes(r['peak_bytes'])} ({parts}); "
                      f"{human_si(r['flops'], 'FLOP')}")
+        for text in r.get("assumptions", []):
+            lines.append(f"  ASSUMED: {text}")
         if r.get("predicted"):
             p = r["predicted"]
             lines.append(f"  MODELLED on {p['system']} ({p['device']}, {p['dtype']}): step {p['step_s'] * 1e3:.3g} ms "

@@ -322,3 +322,15 @@ def test_dualpipev_idle_chunks_and_stage_costs_tables():
     cuts = tables.stage_cuts({"even": [1, 1]}, d_model=8, vocab=16, seq_len=4)
     flops = [st["flops_per_token"] for st in costs.pipeline_stage_costs([1, 1], 8, 16, 4)]
     assert cuts.loc["even", "pace vs balanced (%)"] == round(100 * sum(flops) / 2 / max(flops)) < 100
+
+
+# --- chapter 11: expert parallelism -------------------------------------------------------------------
+def test_moe_per_rank_shows_the_named_values_and_each_difference_from_one_process():
+    recs = {1: {"dropped": 3, "ep_ranks": [0, 1], "diffs": {"output": 2e-7, "router.grad": 1e-8}},
+            0: {"dropped": 0, "ep_ranks": [0, 1], "diffs": {"output": 1e-7, "router.grad": 0.5}}}
+    df = tables.moe_per_rank(recs, {"dropped": "dropped", "ep group": "ep_ranks"})
+    assert list(df.index) == [0, 1] and list(df.columns) == ["dropped", "ep group", "|Δ| output", "|Δ| router.grad"]
+    assert df.loc[0, "|Δ| router.grad"] == 0.5 and df.loc[1, "dropped"] == 3 and df.loc[1, "ep group"] == [0, 1]
+    assert list(tables.moe_per_rank(recs, {"dropped": "dropped"}, diffs=False).columns) == ["dropped"]
+    with pytest.raises(ValueError, match="rank: record"):
+        tables.moe_per_rank({})

@@ -530,3 +530,16 @@ def stage_cuts(cuts: dict, d_model: int, vocab: int, seq_len: int) -> pd.DataFra
                      "params by stage (M)": [round(st["params"] / 1e6, 1) for st in stages],
                      "pace vs balanced (%)": round(100 * sum(flops) / len(flops) / max(flops))})
     return pd.DataFrame(rows).set_index("cut")
+
+
+# --- chapter 11: expert parallelism -------------------------------------------------------------------
+def moe_per_rank(records: dict, columns: dict | None = None, *, diffs: bool = True) -> pd.DataFrame:
+    """One row per rank of an 11_moe.py run ({rank: its case record}): the record's values named in `columns`
+    ({header: key}), then, with diffs, each quantity's |expert parallel − one process| (the record's "diffs"),
+    one column each ("|Δ| output", "|Δ| tokens.grad", ...)."""
+    if not records:
+        raise ValueError("moe_per_rank needs {rank: record}")
+    rows = [{"rank": rank, **{header: rec[key] for header, key in (columns or {}).items()},
+             **({f"|Δ| {k}": v for k, v in rec["diffs"].items()} if diffs else {})}
+            for rank, rec in sorted(records.items())]
+    return pd.DataFrame(rows).set_index("rank")

@@ -37,7 +37,8 @@ def test_bubble_rows_equal_the_formula_on_a_nominal_timeline_and_the_summary_rea
 
 def test_replay_gives_the_schedules_own_bubble_or_the_measured_durations_with_free_messages():
     measured = gpipe(2, 4, {"F": 1.5, "B": 2.5})  # every action slower than its nominal sleep
-    measured = {r: [(a, s + 0.3 * i, e + 0.3 * i) for i, (a, s, e) in enumerate(spans)] for r, spans in measured.items()}
+    measured = {r: [(a, s + 0.3 * i, e + 0.3 * i) for i, (a, s, e) in enumerate(spans)]
+                for r, spans in measured.items()}
     assert pipeline.stages_per_rank(measured) == 1
     nominal = pipeline.replay(measured, work_ms=1.0)
     assert nominal == gpipe(2, 4)

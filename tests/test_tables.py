@@ -307,7 +307,8 @@ def test_schedule_bubbles_versus_1f1b_overheads_and_few_micro_batches():
 
 def test_dualpipev_idle_chunks_and_stage_costs_tables():
     plan = tables.dualpipev_plan({1: {0: {"error": "ValueError: m >= 2p"}},
-                                  4: {0: {"error": None, "stages": [0, 3], "max_grad_diff": 0.0, "order": ["0F0", "3B0"]}}})
+                                  4: {0: {"error": None, "stages": [0, 3], "max_grad_diff": 0.0,
+                                          "order": ["0F0", "3B0"]}}})
     assert plan.loc[(1, 0), "plan"] == "refused: ValueError: m >= 2p" and plan.loc[(4, 0), "plan"] == "0F0 3B0"
     idle = tables.timeline_idle({"measured": (145.44, {0: 16.94, 1: 16.6})})
     assert idle.loc["measured"].tolist() == [145.4, 16.9, 16.6]
@@ -334,3 +335,30 @@ def test_moe_per_rank_shows_the_named_values_and_each_difference_from_one_proces
     assert list(tables.moe_per_rank(recs, {"dropped": "dropped"}, diffs=False).columns) == ["dropped"]
     with pytest.raises(ValueError, match="rank: record"):
         tables.moe_per_rank({})
+
+
+# --- chapter 04: large batches (helper p05's part of issue 29) ------------------------------------------
+def test_warmup_lrs_reads_the_schedule_at_step_0_the_end_of_warmup_and_scaled_lr():
+    from types import SimpleNamespace
+
+    def warmup_lr(step, *, base_lr, base_batch, global_batch, warmup_steps, total_steps=None):
+        target = base_lr * global_batch / base_batch
+        return target if step >= warmup_steps else base_lr + (target - base_lr) * step / warmup_steps
+    schedule = SimpleNamespace(warmup_lr=warmup_lr, scaled_lr=lambda lr, b, g: lr * g / b)
+    kwargs = {n: (dict(base_lr=0.0125, base_batch=32, global_batch=32 * n, warmup_steps=w), t)
+              for n, w, t in ((1, 256, 512), (4, 64, 3))}  # 4 ranks: the run ends (step 3) before warmup does
+    df = tables.warmup_lrs(schedule, kwargs)
+    assert df.loc[1].tolist() == [32, 256, 0.0125, 0.0125, 0.0125]
+    assert df.loc[4, "lr at end of warmup"] == float(f"{0.0125 + 0.0375 * 3 / 64:.5g}")
+    assert df.loc[4, "scaled_lr"] == 0.05
+
+
+def test_best_rules_and_noise_spread():
+    runs, _ = large_batch_runs()
+    df = tables.best_rules(runs, names=RULES, early=0.5)
+    assert list(df.index) == [2]  # one rank is the baseline, not a contest
+    assert df.loc[2, "best at epoch 0.5"] == "(a) keep η" and df.loc[2, "best at the end"] == "(a) keep η"
+    assert df.loc[2, "its test acc (end)"] == 0.8
+    measured = {"initial weights": {"b_noise": {32: 8.0, 64: 8.81234, 128: 10.0}, "noise_scale": 2.1234}}
+    spread = tables.noise_spread(measured)
+    assert spread.loc["initial weights"].tolist() == [1.25, "32..128", 2.12]

@@ -543,3 +543,44 @@ def moe_per_rank(records: dict, columns: dict | None = None, *, diffs: bool = Tr
              **({f"|Δ| {k}": v for k, v in rec["diffs"].items()} if diffs else {})}
             for rank, rec in sorted(records.items())]
     return pd.DataFrame(rows).set_index("rank")
+
+
+# --- chapter 04: large batches (helper p05's part of issue 29) ------------------------------------------
+def warmup_lrs(schedule, runs: dict) -> pd.DataFrame:
+    """One row per world size: the global batch, the warmup steps, and the learning rate the schedule gives at
+    step 0, at the end of warmup and as scaled_lr (5 significant digits). schedule: a module with warmup_lr and
+    scaled_lr (exercise ex04); runs: {world size: (warmup_lr's keyword arguments, total steps)}."""
+    rows = []
+    for n, (kwargs, total) in runs.items():
+        end = min(kwargs["warmup_steps"], total)
+        rows.append({"ranks": n, "global batch": kwargs["global_batch"], "warmup steps": kwargs["warmup_steps"],
+                     "lr at step 0": schedule.warmup_lr(0, **kwargs),
+                     "lr at end of warmup": schedule.warmup_lr(end, **kwargs),
+                     "scaled_lr": schedule.scaled_lr(kwargs["base_lr"], kwargs["base_batch"], kwargs["global_batch"])})
+    df = pd.DataFrame(rows).set_index("ranks")
+    return df.map(lambda v: float(f"{v:.5g}") if isinstance(v, float) else v)
+
+
+def best_rules(runs: dict, *, names: dict, early: float) -> pd.DataFrame:
+    """One row per world size > 1: the rule with the best test accuracy at epoch `early` and the one with the
+    best at the end, each with that accuracy. runs: {world size: training.curves(...)}; names: {rule: its name}."""
+    rows = []
+    for n, by_rule in runs.items():
+        if n == 1:
+            continue
+        acc_early = {rule: training.at_epoch(by_rule[rule]["points"], early)["test_acc"] for rule in names}
+        acc_end = {rule: by_rule[rule]["points"][-1]["test_acc"] for rule in names}
+        first, last = max(acc_early, key=acc_early.get), max(acc_end, key=acc_end.get)
+        rows.append({"ranks": n, f"best at epoch {early:.2g}": names[first], "its test acc (early)": acc_early[first],
+                     "best at the end": names[last], "its test acc (end)": acc_end[last]})
+    return pd.DataFrame(rows).set_index("ranks").round(3)
+
+
+def noise_spread(measured: dict) -> pd.DataFrame:
+    """One row per state of the weights (training.sgd_assumptions): how far B × noise spans over the batch sizes
+    (max / min, 1.00 where the noise goes exactly as 1/B) and the noise scale (samples, 3 significant digits)."""
+    rows = [{"weights": where,
+             "B × noise, max / min": round(max(m["b_noise"].values()) / min(m["b_noise"].values()), 2),
+             "batch sizes B": f"{min(m['b_noise'])}..{max(m['b_noise'])}",
+             "noise scale (samples)": float(f"{m['noise_scale']:.3g}")} for where, m in measured.items()]
+    return pd.DataFrame(rows).set_index("weights")

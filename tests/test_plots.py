@@ -452,3 +452,26 @@ def test_hsdp_figure_marks_the_bytes_that_cross_nodes():
     fig = plots.hsdp_figure(rows, comm, {"ddp": 3e6, "hsdp": 5e5}, ranks_per_node=2, title="x")
     crosses = fig.axes[1].lines[0]
     assert list(crosses.get_ydata()) == [3.0, 0.5] and "nodes of 2" in crosses.get_label()
+
+
+# --- chapter 05: pipeline timelines -----------------------------------------------------------------
+def test_pipeline_figure_labels_only_bars_that_hold_them_and_wraps_titles_to_the_panel():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from gpucourse import timeline
+
+    dense = {r: [(f"{s}{k}{i}", 13.0 * (3 * i + j), 13.0 * (3 * i + j) + 12) for i in range(10)
+                 for j, (s, k) in enumerate(((r, "F"), (r + 2, "B"), (r, "W")))] for r in range(2)}
+    wide = {0: [("0F0", 0.0, 240.0), ("0B0", 240.0, 480.0)], 1: [("1F0", 240.0, 480.0)]}
+    title = "InterleavedZeroBubble (v=2, m=16), measured: step 480 ms, idle 12.3% of the step, 15.0% of the work"
+    panels = [[(dense, title), (wide, "modelled")] for _ in range(2)]  # two columns, as chapter 05 draws
+    fig = timeline.pipeline_figure(panels, title="left: measured; right: modelled")
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    for ax in fig.axes:
+        boxes = [t.get_window_extent(renderer) for t in ax.texts]
+        assert not [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)], "labels overlap"
+        assert ax.get_title(loc="center").count("\n") >= (1 if ax.get_title().startswith("Interleaved") else 0)
+        title_box = ax.title.get_window_extent(renderer)
+        assert title_box.width <= ax.get_window_extent(renderer).width * 1.05, "a title wider than its panel"
+    assert not fig.axes[0].texts and [t.get_text() for t in fig.axes[1].texts] == ["0F0", "0B0", "1F0"]

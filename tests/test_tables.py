@@ -495,3 +495,120 @@ def test_modelled_scaling_and_compiled_ddp():
                                                                                "one-graph": 1.0}}
     out = tables.compiled_ddp(cmp)
     assert out.loc["compiled", "graphs"] == 3 and out["graphs"].isna()["eager"]
+
+
+# --- chapter 05: pipeline parallelism ---------------------------------------------------------------
+def test_pipeline_orders_bubbles_and_stage_activations_show_the_runs_numbers():
+    orders = tables.pipeline_orders(lambda kind, s, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)],
+                                    ("gpipe",), p=2, m=2)
+    assert orders.loc[("gpipe", 1), "actions, in order"] == "F0 F1 B0 B1"
+    df = tables.pipeline_bubbles([{"p": 2, "kind": "gpipe", "m": 4, "measured": 0.2614, "formula": 0.2,
+                                   "step_ms": 180.3, "ideal_ms": 150}])
+    assert df.loc[(2, "gpipe", 4)].tolist() == [26.1, 20.0, 180, 150]
+    assert list(df.columns) == ["bubble measured (%)", "(p-1)/(m+p-1) (%)", "step (ms)", "(m+p-1)·3·work (ms)"]
+    held = tables.stage_activations([{"p": 2, "schedule": "1f1b", "m": 4, "held": [2, 1], "bytes": [32768, 24576],
+                                      "rule": [2, 1], "matches": False}])
+    assert held.loc[(2, "1f1b", 4), "saved (KiB, by stage)"] == [32, 24]
+    assert held.loc[(2, "1f1b", 4), "matches the rule"] == "✗"
+    real = tables.pipeline_real_compute({4: {0: [("F0", 0, 4), ("B0", 4, 12)], 1: [("F0", 4, 8), ("B0", 8, 16)]}}, p=2)
+    assert real.loc[4, "(p-1)/(m+p-1) (%)"] == 20.0 and real.loc[4, "F+B per micro-batch, stage 1 (ms)"] == 3.0
+    assert real.loc[4, "bubble measured (%)"] == 25.0
+
+
+def test_gpipe_check_and_schedule_runs_show_losses_differences_and_refusals():
+    metrics = {0: [{"pipeline": "gpipe_step", "error": "NotImplementedError: write it\nmore", "loss": None}],
+               1: [{"pipeline": "torch ScheduleGPipe", "error": None, "max_grad_diff": 3e-9, "loss": 1.05,
+                    "ref_loss": 1.06}, {"other": 1}]}
+    df = tables.gpipe_check(metrics)
+    assert df.loc[(0, "gpipe_step"), "error"] == "NotImplementedError: write it"
+    assert df.loc[(1, "torch ScheduleGPipe"), "unsplit loss"] == 1.06
+    ok = {"error": None, "stages": [0, 2], "max_grad_diff": 1e-18, "loss": 0.5, "ref_loss": 0.5}
+    runs = {("Interleaved1F1B", 4): {0: ok, 1: {**ok, "stages": [1, 3], "loss": None, "max_grad_diff": 2e-18}},
+            ("1F1B", 1): {0: {"error": "ValueError: too few"}, 1: {"error": "ValueError: too few"}}}
+    df = tables.schedule_runs(runs)
+    assert df.loc[("Interleaved1F1B", 4), "stages by rank"] == [[0, 2], [1, 3]]
+    assert df.loc[("Interleaved1F1B", 4), "max |grad − unsplit|"] == 2e-18
+    assert df.loc[("Interleaved1F1B", 4), "loss"] == "0.500000000000"
+    assert df.loc[("1F1B", 1), "refused"] == "ValueError: too few"
+
+
+def test_schedule_bubbles_versus_1f1b_overheads_and_few_micro_batches():
+    row = {"v": 1, "step": 173.2, "busy": 126.4, "share": 0.272, "ratio": 0.374, "free": 0.252, "nominal": 0.25,
+           "f_share": 0.2, "f_ratio": 0.25}
+    zbv = {**row, "v": 2, "ratio": 0.112, "nominal": 0.042, "step": 151.0}
+    del zbv["f_share"], zbv["f_ratio"]
+    table = {("1F1B", 4): row, ("ZBVZeroBubble", 4): zbv, ("GPipe", 1): {**row, "ratio": 1.054, "nominal": 1.0}}
+    df = tables.schedule_bubbles(table, refused={("1F1B", 1): "ValueError: too few"})
+    assert list(df.index) == [("1F1B", 1), ("1F1B", 4), ("ZBVZeroBubble", 4), ("GPipe", 1)]
+    assert df.loc[("1F1B", 1), "refused"] == "ValueError" and df.loc[("1F1B", 4), "idle/work measured (%)"] == 37.4
+    assert math.isnan(df.loc[("ZBVZeroBubble", 4), "idle/work formula (%)"])
+    vs = tables.versus_1f1b(table, 4)
+    assert vs.loc["ZBVZeroBubble", "measured vs 1F1B"] == "smaller" and list(vs.index) == ["ZBVZeroBubble"]
+    extra = tables.action_overheads({"GPipe": {"F": (0.61, 8), "B": (1.2, 8)}, "ZBV": {"F": (0.5, 16), "W": (0.8, 16)}})
+    assert extra.loc["GPipe", "F: extra (ms)"] == 0.6 and extra.loc["ZBV", "W: actions"] == 16
+    assert extra["B: actions"].isna().tolist() == [False, True]
+    runs = {("GPipe", 1): {0: {"error": None}}, ("1F1B", 1): {0: {"error": "ValueError: m < p"}},
+            ("1F1B", 4): {0: {"error": None}}}
+    few = tables.few_micro(runs, table, p=2)
+    assert list(few.index) == [(1, "GPipe"), (1, "1F1B")]
+    assert few.loc[(1, "1F1B"), "what happened"] == "refused: ValueError: m < p"
+    assert few.loc[(1, "GPipe"), "idle/work modelled (%)"] == 100.0 and few.loc[(1, "GPipe"), "(p-1)/m (%)"] == 100.0
+
+
+def test_dualpipev_idle_chunks_and_stage_costs_tables():
+    plan = tables.dualpipev_plan({1: {0: {"error": "ValueError: m >= 2p"}},
+                                  4: {0: {"error": None, "stages": [0, 3], "max_grad_diff": 0.0,
+                                          "order": ["0F0", "3B0"]}}})
+    assert plan.loc[(1, 0), "plan"] == "refused: ValueError: m >= 2p" and plan.loc[(4, 0), "plan"] == "0F0 3B0"
+    idle = tables.timeline_idle({"measured": (145.44, {0: 16.94, 1: 16.6})})
+    assert idle.loc["measured"].tolist() == [145.4, 16.9, 16.6]
+    chunks = tables.chunk_activations([{"schedule": "1F1B", "m": 4, "rank": 0, "chunks": 2, "formula": None,
+                                        "micro-batches": 2.0, "bytes": 8192, "matches": True}])
+    assert chunks.loc[("1F1B", 4, 0)].tolist() == [2, "—", 2.0, 8, "✓"]
+    counted = [{"stage": 0, "params": 10, "flops_per_token": 60}]
+    assert tables.stage_costs(counted, [{"stage": 0, "params": 10, "flops_per_token": 61}]).loc[0].tolist() == [
+        10, 10, 60, 61]
+    with pytest.raises(ValueError, match="1 counted stages but 2 modelled"):
+        tables.stage_costs(counted, counted * 2)
+    cuts = tables.stage_cuts({"even": [1, 1]}, d_model=8, vocab=16, seq_len=4)
+    flops = [st["flops_per_token"] for st in costs.pipeline_stage_costs([1, 1], 8, 16, 4)]
+    assert cuts.loc["even", "pace vs balanced (%)"] == round(100 * sum(flops) / 2 / max(flops)) < 100
+
+
+# --- chapter 11: expert parallelism -------------------------------------------------------------------
+def test_moe_per_rank_shows_the_named_values_and_each_difference_from_one_process():
+    recs = {1: {"dropped": 3, "ep_ranks": [0, 1], "diffs": {"output": 2e-7, "router.grad": 1e-8}},
+            0: {"dropped": 0, "ep_ranks": [0, 1], "diffs": {"output": 1e-7, "router.grad": 0.5}}}
+    df = tables.moe_per_rank(recs, {"dropped": "dropped", "ep group": "ep_ranks"})
+    assert list(df.index) == [0, 1] and list(df.columns) == ["dropped", "ep group", "|Δ| output", "|Δ| router.grad"]
+    assert df.loc[0, "|Δ| router.grad"] == 0.5 and df.loc[1, "dropped"] == 3 and df.loc[1, "ep group"] == [0, 1]
+    assert list(tables.moe_per_rank(recs, {"dropped": "dropped"}, diffs=False).columns) == ["dropped"]
+    with pytest.raises(ValueError, match="rank: record"):
+        tables.moe_per_rank({})
+
+
+# --- chapter 04: large batches (helper p05's part of issue 29) ------------------------------------------
+def test_warmup_lrs_reads_the_schedule_at_step_0_the_end_of_warmup_and_scaled_lr():
+    from types import SimpleNamespace
+
+    def warmup_lr(step, *, base_lr, base_batch, global_batch, warmup_steps, total_steps=None):
+        target = base_lr * global_batch / base_batch
+        return target if step >= warmup_steps else base_lr + (target - base_lr) * step / warmup_steps
+    schedule = SimpleNamespace(warmup_lr=warmup_lr, scaled_lr=lambda lr, b, g: lr * g / b)
+    kwargs = {n: (dict(base_lr=0.0125, base_batch=32, global_batch=32 * n, warmup_steps=w), t)
+              for n, w, t in ((1, 256, 512), (4, 64, 3))}  # 4 ranks: the run ends (step 3) before warmup does
+    df = tables.warmup_lrs(schedule, kwargs)
+    assert df.loc[1].tolist() == [32, 256, 0.0125, 0.0125, 0.0125]
+    assert df.loc[4, "lr at end of warmup"] == float(f"{0.0125 + 0.0375 * 3 / 64:.5g}")
+    assert df.loc[4, "scaled_lr"] == 0.05
+
+
+def test_best_rules_and_noise_spread():
+    runs, _ = large_batch_runs()
+    df = tables.best_rules(runs, names=RULES, early=0.5)
+    assert list(df.index) == [2]  # one rank is the baseline, not a contest
+    assert df.loc[2, "best at epoch 0.5"] == "(a) keep η" and df.loc[2, "best at the end"] == "(a) keep η"
+    assert df.loc[2, "its test acc (end)"] == 0.8
+    measured = {"initial weights": {"b_noise": {32: 8.0, 64: 8.81234, 128: 10.0}, "noise_scale": 2.1234}}
+    spread = tables.noise_spread(measured)
+    assert spread.loc["initial weights"].tolist() == [1.25, "32..128", 2.12]

@@ -758,3 +758,261 @@ def compiled_ddp(cmp: dict, models=("eager", "compiled", "one-graph")) -> pd.Dat
     df = pd.DataFrame(rows).set_index("model")
     df["graphs"] = df["graphs"].astype("Int64")
     return df
+
+
+# --- chapter 05: pipeline parallelism ---------------------------------------------------------------
+def _pct(x):
+    return None if x is None else round(100 * x, 1)
+
+
+def pipeline_orders(schedule, kinds, p: int, m: int) -> pd.DataFrame:
+    """One row per (schedule, stage): its actions in order, e.g. "F0 F1 B0 B1". schedule(kind, stage, p, m):
+    [(action, micro-batch)], as 05_pipeline.py's `schedule`."""
+    rows = [{"schedule": kind, "stage": s, "actions, in order": " ".join(f"{a}{i}" for a, i in schedule(kind, s, p, m))}
+            for kind in kinds for s in range(p)]
+    return pd.DataFrame(rows).set_index(["schedule", "stage"])
+
+
+def pipeline_bubbles(rows: list[dict]) -> pd.DataFrame:
+    """One row per (p, schedule, m) of pipeline.bubble_rows: the bubble measured and by (p-1)/(m+p-1) (%),
+    the step measured and the ideal step (ms)."""
+    out = [{"p": r["p"], "schedule": r["kind"], "m": r["m"], "bubble measured (%)": _pct(r["measured"]),
+            "(p-1)/(m+p-1) (%)": _pct(r["formula"]), "step (ms)": round(r["step_ms"]),
+            "(m+p-1)·3·work (ms)": round(r["ideal_ms"])} for r in rows]
+    return pd.DataFrame(out).set_index(["p", "schedule", "m"])
+
+
+def pipeline_real_compute(timelines: dict, p: int) -> pd.DataFrame:
+    """One row per m of a real-compute GPipe run ({m: timeline}): the bubble measured and by the formula (%),
+    the step (ms) and each stage's forward + backward time per micro-batch (ms)."""
+    from ..models import traces  # chapter 05 only
+
+    rows = []
+    for m, timeline in timelines.items():
+        step, measured, _ = traces.idle(timeline)
+        rows.append({"m": m, "bubble measured (%)": _pct(measured),
+                     "(p-1)/(m+p-1) (%)": _pct(costs.pipeline_bubble_fraction(p, m)), "step (ms)": round(step, 1),
+                     **{f"F+B per micro-batch, stage {s} (ms)": round(sum(e - b for _, b, e in spans) / m, 1)
+                        for s, spans in timeline.items()}})
+    return pd.DataFrame(rows).set_index("m")
+
+
+def stage_activations(rows: list[dict]) -> pd.DataFrame:
+    """One row per (p, schedule, m) of pipeline.stage_activation_rows: micro-batches held at the peak and their
+    saved bytes (KiB) by stage, the rule's count, and whether every stage matched it."""
+    out = [{"p": r["p"], "schedule": r["schedule"], "m": r["m"],
+            "held at peak (micro-batches, by stage)": r["held"],
+            "saved (KiB, by stage)": [round(b / 1024) for b in r["bytes"]], "rule": r["rule"],
+            "matches the rule": "✓" if r["matches"] else "✗"} for r in rows]
+    return pd.DataFrame(out).set_index(["p", "schedule", "m"])
+
+
+def gpipe_check(metrics: dict) -> pd.DataFrame:
+    """One row per (stage, pipeline) of 05_gpipe_check.py: the largest gradient difference from the unsplit
+    model, the loss and the unsplit model's (last stage only), or the error that stopped it."""
+    rows = [{"stage": rank, "pipeline": rec["pipeline"],
+             "max |grad − unsplit|": None if rec["error"] else rec["max_grad_diff"],
+             "loss": None if rec["error"] else rec["loss"],
+             "unsplit loss": None if rec["error"] or rec["loss"] is None else rec["ref_loss"],
+             "error": rec["error"].splitlines()[0][:100] if rec["error"] else ""}
+            for rank in sorted(metrics) for rec in metrics[rank] if "pipeline" in rec]
+    return pd.DataFrame(rows).set_index(["stage", "pipeline"])
+
+
+def schedule_runs(runs: dict) -> pd.DataFrame:
+    """One row per (schedule, m) of 05_schedules.py (pipeline.schedule_records): the stages each rank held, the
+    largest gradient difference from the unsplit model (float64), the loss against the unsplit model's (12
+    decimals), or what refused it."""
+    rows = []
+    for (name, m), by_rank in runs.items():
+        first = by_rank[min(by_rank)]
+        row = {"schedule": name, "m": m, "stages by rank": None, "max |grad − unsplit|": None, "loss": None,
+               "unsplit loss": None, "refused": first["error"] or ""}
+        if not first["error"]:
+            loss = next(r for r in by_rank.values() if r["loss"] is not None)
+            row |= {"stages by rank": [by_rank[r]["stages"] for r in sorted(by_rank)],
+                    "max |grad − unsplit|": max(r["max_grad_diff"] for r in by_rank.values()),
+                    "loss": f"{loss['loss']:.12f}", "unsplit loss": f"{loss['ref_loss']:.12f}"}
+        rows.append(row)
+    return pd.DataFrame(rows).set_index(["schedule", "m"])
+
+
+def schedule_bubbles(table: dict, refused: dict | None = None) -> pd.DataFrame:
+    """One row per (schedule, m) of pipeline.schedule_bubbles: v, step and mean busy time per rank (ms); idle
+    over the step, measured and by (p-1)/(v·m+p-1) (%); idle over the work, measured, replayed with the measured
+    durations (free messages), replayed with the nominal ones, and by (p-1)/(v·m) (%). refused: {(schedule, m):
+    error} for the runs a constructor refused (a row saying so)."""
+    rows = [{"schedule": name, "m": m, "v": r["v"], "step (ms)": round(r["step"]), "busy (ms)": round(r["busy"]),
+             "idle/step measured (%)": _pct(r["share"]), "idle/step formula (%)": _pct(r.get("f_share")),
+             "idle/work measured (%)": _pct(r["ratio"]), "replay, measured durations (%)": _pct(r["free"]),
+             "replay, nominal (%)": _pct(r["nominal"]), "idle/work formula (%)": _pct(r.get("f_ratio")),
+             "refused": ""} for (name, m), r in table.items()]
+    rows += [{"schedule": name, "m": m, "refused": error.split(":")[0]} for (name, m), error in (refused or {}).items()]
+    order = list(dict.fromkeys(r["schedule"] for r in rows))  # as run, each schedule's m in order
+    rows.sort(key=lambda r: (order.index(r["schedule"]), r["m"]))
+    df = pd.DataFrame(rows).set_index(["schedule", "m"])
+    df["v"] = df["v"].astype("Int64")
+    return df
+
+
+def versus_1f1b(table: dict, m: int,
+                names=("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")) -> pd.DataFrame:
+    """Each of `names` at m micro-batches against 1F1B (pipeline.schedule_bubbles' table): idle over work,
+    measured and modelled (%), its verdict (within half a point: "about the same") and both steps (ms)."""
+    base = table.get(("1F1B", m))
+    rows = []
+    for name in names:
+        row = table.get((name, m))
+        if not (base and row):
+            continue
+        verdict = ("about the same" if abs(row["ratio"] - base["ratio"]) < 0.005 else
+                   "smaller" if row["ratio"] < base["ratio"] else "larger")
+        rows.append({"schedule": name, "idle/work measured (%)": _pct(row["ratio"]),
+                     "1F1B measured (%)": _pct(base["ratio"]), "measured vs 1F1B": verdict,
+                     "modelled (%)": _pct(row["nominal"]), "1F1B modelled (%)": _pct(base["nominal"]),
+                     "step (ms)": round(row["step"]), "1F1B step (ms)": round(base["step"])})
+    return pd.DataFrame(rows, columns=["schedule", "idle/work measured (%)", "1F1B measured (%)", "measured vs 1F1B",
+                                       "modelled (%)", "1F1B modelled (%)", "step (ms)", "1F1B step (ms)"]
+                        ).set_index("schedule")
+
+
+def action_overheads(overheads: dict) -> pd.DataFrame:
+    """One row per schedule of pipeline.action_overheads: per kind of action, its mean measured time minus its
+    nominal sleep (ms, 1 decimal) and the number of such actions."""
+    rows = [{"schedule": name, **{col: v for k, (mean, n) in kinds.items()
+                                  for col, v in ((f"{k}: extra (ms)", round(mean, 1)), (f"{k}: actions", n))}}
+            for name, kinds in overheads.items()]
+    df = pd.DataFrame(rows).set_index("schedule")
+    for col in [c for c in df.columns if c.endswith("actions")]:
+        df[col] = df[col].astype("Int64")  # whole counts, blank where a schedule has no such action
+    return df
+
+
+def few_micro(runs: dict, table: dict, p: int) -> pd.DataFrame:
+    """One row per (m < p, schedule): what PyTorch did with fewer micro-batches than ranks: refused (the
+    constructor's error), or ran, with its idle share of the step and idle over work, measured and modelled (%),
+    and, for the schedules the formula describes, (p-1)/(v·m) and (p-1)/m (%)."""
+    rows = []
+    for (name, m), by_rank in runs.items():
+        if m >= p:
+            continue
+        error = by_rank[min(by_rank)]["error"]
+        row = {"m": m, "schedule": name, "what happened": f"refused: {error}" if error else "ran"}
+        if not error:
+            r = table[(name, m)]
+            row |= {"idle/step measured (%)": _pct(r["share"]), "idle/work measured (%)": _pct(r["ratio"]),
+                    "idle/work modelled (%)": _pct(r["nominal"]), "(p-1)/(v·m) (%)": _pct(r.get("f_ratio")),
+                    "(p-1)/m (%)": _pct(costs.pipeline_bubble_ratio(p, m)) if "f_ratio" in r else None}
+        rows.append(row)
+    return pd.DataFrame(rows).set_index(["m", "schedule"]) if rows else pd.DataFrame()
+
+
+def dualpipev_plan(runs: dict) -> pd.DataFrame:
+    """One row per (m, rank) of the DualPipeV runs ({m: {rank: record}}): the rank's stages, the largest gradient
+    difference from the unsplit model and its plan in torch's order, or the constructor's refusal."""
+    rows = []
+    for m, by_rank in runs.items():
+        for rank, rec in sorted(by_rank.items()):
+            error = by_rank[min(by_rank)]["error"]
+            rows.append({"m": m, "rank": rank, "stages": None if error else rec["stages"],
+                         "max |grad − unsplit|": None if error else rec["max_grad_diff"],
+                         "plan": f"refused: {error}" if error else " ".join(rec["order"])})
+    return pd.DataFrame(rows).set_index(["m", "rank"])
+
+
+def timeline_idle(idle: dict) -> pd.DataFrame:
+    """One row per timeline of pipeline.timeline_idle ({title: (step ms, {rank: idle ms})}): the step and each
+    rank's idle time (ms, 1 decimal)."""
+    rows = [{"timeline": title, "step (ms)": round(step, 1), **{f"idle, rank {r} (ms)": round(ms, 1)
+                                                                for r, ms in by_rank.items()}}
+            for title, (step, by_rank) in idle.items()]
+    return pd.DataFrame(rows).set_index("timeline")
+
+
+def chunk_activations(rows: list[dict]) -> pd.DataFrame:
+    """One row per (schedule, m, rank) of pipeline.chunk_activation_rows: chunks held at the peak and the
+    formula's count ("—" where it has none), micro-batches (chunks / v), bytes (KiB) and whether both matched."""
+    out = [{"schedule": r["schedule"], "m": r["m"], "rank": r["rank"], "chunks held": r["chunks"],
+            "formula": "—" if r["formula"] is None else r["formula"], "micro-batches": r["micro-batches"],
+            "held (KiB)": round(r["bytes"] / 1024), "matches": "✓" if r["matches"] else "✗"} for r in rows]
+    return pd.DataFrame(out).set_index(["schedule", "m", "rank"])
+
+
+def stage_costs(counted: list[dict], modelled: list[dict]) -> pd.DataFrame:
+    """One row per stage: weights and training FLOPs per token counted (FlopCounterMode) beside
+    costs.pipeline_stage_costs' (counted: [{"stage", "params", "flops_per_token"}], modelled: the same keys)."""
+    if len(counted) != len(modelled):
+        raise ValueError(f"{len(counted)} counted stages but {len(modelled)} modelled")
+    rows = [{"stage": c["stage"], "weights counted": c["params"], "weights modelled": m["params"],
+             "FLOPs/token counted": c["flops_per_token"], "FLOPs/token modelled": m["flops_per_token"]}
+            for c, m in zip(counted, modelled)]
+    return pd.DataFrame(rows).set_index("stage")
+
+
+def stage_cuts(cuts: dict, d_model: int, vocab: int, seq_len: int) -> pd.DataFrame:
+    """One row per cut ({name: blocks per stage}) of a GPT (costs.pipeline_stage_costs): training GFLOPs per token
+    and parameters (M) by stage, and the pace vs a balanced pipeline (%): mean over slowest stage, every stage
+    waiting for the slowest."""
+    rows = []
+    for cut, layers in cuts.items():
+        stages = costs.pipeline_stage_costs(layers, d_model, vocab, seq_len)
+        flops = [st["flops_per_token"] for st in stages]
+        rows.append({"cut": cut, "blocks by stage": layers,
+                     "GFLOPs/token by stage": [round(f / 1e9, 2) for f in flops],
+                     "params by stage (M)": [round(st["params"] / 1e6, 1) for st in stages],
+                     "pace vs balanced (%)": round(100 * sum(flops) / len(flops) / max(flops))})
+    return pd.DataFrame(rows).set_index("cut")
+
+
+# --- chapter 11: expert parallelism -------------------------------------------------------------------
+def moe_per_rank(records: dict, columns: dict | None = None, *, diffs: bool = True) -> pd.DataFrame:
+    """One row per rank of an 11_moe.py run ({rank: its case record}): the record's values named in `columns`
+    ({header: key}), then, with diffs, each quantity's |expert parallel − one process| (the record's "diffs"),
+    one column each ("|Δ| output", "|Δ| tokens.grad", ...)."""
+    if not records:
+        raise ValueError("moe_per_rank needs {rank: record}")
+    rows = [{"rank": rank, **{header: rec[key] for header, key in (columns or {}).items()},
+             **({f"|Δ| {k}": v for k, v in rec["diffs"].items()} if diffs else {})}
+            for rank, rec in sorted(records.items())]
+    return pd.DataFrame(rows).set_index("rank")
+
+
+# --- chapter 04: large batches (helper p05's part of issue 29) ------------------------------------------
+def warmup_lrs(schedule, runs: dict) -> pd.DataFrame:
+    """One row per world size: the global batch, the warmup steps, and the learning rate the schedule gives at
+    step 0, at the end of warmup and as scaled_lr (5 significant digits). schedule: a module with warmup_lr and
+    scaled_lr (exercise ex04); runs: {world size: (warmup_lr's keyword arguments, total steps)}."""
+    rows = []
+    for n, (kwargs, total) in runs.items():
+        end = min(kwargs["warmup_steps"], total)
+        rows.append({"ranks": n, "global batch": kwargs["global_batch"], "warmup steps": kwargs["warmup_steps"],
+                     "lr at step 0": schedule.warmup_lr(0, **kwargs),
+                     "lr at end of warmup": schedule.warmup_lr(end, **kwargs),
+                     "scaled_lr": schedule.scaled_lr(kwargs["base_lr"], kwargs["base_batch"], kwargs["global_batch"])})
+    df = pd.DataFrame(rows).set_index("ranks")
+    return df.map(lambda v: float(f"{v:.5g}") if isinstance(v, float) else v)
+
+
+def best_rules(runs: dict, *, names: dict, early: float) -> pd.DataFrame:
+    """One row per world size > 1: the rule with the best test accuracy at epoch `early` and the one with the
+    best at the end, each with that accuracy. runs: {world size: training.curves(...)}; names: {rule: its name}."""
+    rows = []
+    for n, by_rule in runs.items():
+        if n == 1:
+            continue
+        acc_early = {rule: training.at_epoch(by_rule[rule]["points"], early)["test_acc"] for rule in names}
+        acc_end = {rule: by_rule[rule]["points"][-1]["test_acc"] for rule in names}
+        first, last = max(acc_early, key=acc_early.get), max(acc_end, key=acc_end.get)
+        rows.append({"ranks": n, f"best at epoch {early:.2g}": names[first], "its test acc (early)": acc_early[first],
+                     "best at the end": names[last], "its test acc (end)": acc_end[last]})
+    return pd.DataFrame(rows).set_index("ranks").round(3)
+
+
+def noise_spread(measured: dict) -> pd.DataFrame:
+    """One row per state of the weights (training.sgd_assumptions): how far B × noise spans over the batch sizes
+    (max / min, 1.00 where the noise goes exactly as 1/B) and the noise scale (samples, 3 significant digits)."""
+    rows = [{"weights": where,
+             "B × noise, max / min": round(max(m["b_noise"].values()) / min(m["b_noise"].values()), 2),
+             "batch sizes B": f"{min(m['b_noise'])}..{max(m['b_noise'])}",
+             "noise scale (samples)": float(f"{m['noise_scale']:.3g}")} for where, m in measured.items()]
+    return pd.DataFrame(rows).set_index("weights")

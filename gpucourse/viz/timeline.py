@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -115,12 +116,17 @@ PIPELINE_KINDS = {"F": "forward", "B": "backward", "I": "backward, input grad", 
 _ACTION = re.compile(r"(\d*)([FBIW])(\d*)")  # [stage]kind[micro-batch]: "F3", "1B0", "0W7"
 
 
-def pipeline_rows(ax, timeline: dict, title: str, *, span_ms: float | None = None) -> None:
+LABEL_PT = 7  # a bar's label; its width in inches is about 0.6 × points / 72 per character
+
+
+def pipeline_rows(ax, timeline: dict, title: str, *, span_ms: float | None = None,
+                  axes_inches: float | None = None) -> None:
     """A pipeline's actions, one row per rank ({rank: [(label, start ms, end ms)]}, labels like "F3" or "1B3":
     stage, kind, micro-batch), coloured by kind; a rank's later stages lighter; actions run as one block (same
-    start and end) split the row's height; a label on each bar wide enough for it (span_ms: the time axis's
-    width, default this timeline's)."""
+    start and end) split the row's height; a label on each bar whose width holds it (span_ms: the time axis's
+    width, default this timeline's; axes_inches: the panel's width, default 10 inches)."""
     span_ms = span_ms or max(end for spans in timeline.values() for _, _, end in spans)
+    ms_per_inch = span_ms / (axes_inches or 10.0)
     for rank, spans in timeline.items():
         local = sorted({_ACTION.fullmatch(a)[1] for a, _, _ in spans})  # this rank's stages ("" when unnamed)
         blocks = {}  # actions that share a start and an end (an overlapped block: DualPipe's F&B) share the row
@@ -134,27 +140,34 @@ def pipeline_rows(ax, timeline: dict, title: str, *, span_ms: float | None = Non
                 bottom = rank - 0.4 + k * height
                 ax.broken_barh([(start, end - start)], (bottom, height), facecolor=PIPELINE_COLORS[kind],
                                alpha=shade, edgecolor="white")
-                if end - start > span_ms / 45:
+                if (end - start) / ms_per_inch > (len(action) + 1) * 0.6 * LABEL_PT / 72:
                     ax.text((start + end) / 2, bottom + height / 2, action, ha="center", va="center", color="white",
-                            fontsize=6)
+                            fontsize=LABEL_PT)
     ax.set_yticks(list(timeline), [f"rank {r}" for r in timeline])
     ax.set_ylim(len(timeline) - 0.5, -0.5)
     ax.set_xlabel("time since the step started (ms)")
-    ax.set_title(title, fontsize=8)
+    ax.set_title(textwrap.fill(title, max(40, int((axes_inches or 10.0) * 72 / (8 * 0.55)))), fontsize=8)
 
 
 def pipeline_figure(panels: list[list[tuple[dict, str]]], *, title: str = ""):
     """A grid of pipeline timelines: panels[row][column] = (timeline, title), every panel on one time axis,
-    one legend for the kinds of action drawn."""
+    one legend for the kinds of action drawn. A panel's title wraps to its width; a bar's label is drawn only
+    where the bar is wide enough to hold it."""
     rows, cols = len(panels), len(panels[0])
     ranks = max(len(t) for row in panels for t, _ in row)
-    fig = Figure(figsize=(11 if cols == 1 else 14, 0.8 + (0.5 * ranks + 0.8) * rows), layout="constrained")
+    width = 11 if cols == 1 else 14
+    axes_inches = (width - 2.2) / cols - 0.5  # the legend's column and each panel's rank labels taken off
+    title_lines = max(len(textwrap.wrap(name, max(40, int(axes_inches * 72 / (8 * 0.55)))))
+                      for row in panels for _, name in row)
+    fig = Figure(figsize=(width, 0.8 + (0.55 * ranks + 0.65 + 0.15 * title_lines) * rows), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, sharex=True)
     span_ms = max(end for row in panels for t, _ in row for spans in t.values() for _, _, end in spans)
     kinds, staged = set(), False
     for ax_row, row in zip(axes, panels):
         for ax, (t, name) in zip(ax_row, row):
-            pipeline_rows(ax, t, name, span_ms=span_ms)
+            pipeline_rows(ax, t, name, span_ms=span_ms, axes_inches=axes_inches)
+            if ax_row is not axes[-1]:
+                ax.set_xlabel("")  # the shared time axis is named once, under the last row
             actions = [_ACTION.fullmatch(a) for spans in t.values() for a, _, _ in spans]
             kinds |= {a[2] for a in actions}
             staged = staged or any(a[1] for a in actions)
@@ -162,7 +175,7 @@ def pipeline_figure(panels: list[list[tuple[dict, str]]], *, title: str = ""):
                loc="outside right upper", fontsize=8, title="darker: a rank's\nfirst stage" if staged else None,
                title_fontsize=7)
     if title:
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle(textwrap.fill(title, int(width * 72 / (9 * 0.55))), fontsize=9)
     return fig
 
 

@@ -1,4 +1,4 @@
-"""Chapter 07: mixed precision, recipe by recipe: the bytes each holds, loss scaling, and master weights.
+"""Chapter 07b: mixed precision, recipe by recipe: the bytes each holds, loss scaling, and master weights.
 
     torchrun --nproc-per-node 1 scripts/07_precision.py [--width 256 --depth 8 --steps 3]
 

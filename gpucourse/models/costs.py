@@ -593,7 +593,7 @@ def state_bytes_per_param(optimizer="adam", precision="mixed"):
             "optimizer_bytes": parts["master weights"] + parts["optimizer states"]}
 
 
-# --- 10. mixed precision, recipe by recipe: bytes per parameter (chapter 07) --------------------------------
+# --- 10. mixed precision, recipe by recipe: bytes per parameter (chapter 07b) -------------------------------
 # Bytes per parameter element of each model state, per recipe; "state" is one optimizer state element (Adam
 # keeps two, m and v). Chapter 07 measures the first four by counting the tensors a real run holds after an
 # optimizer step; "fp8" is modelled (no FP8 hardware in this course's CI), with its assumption written down.

@@ -12,6 +12,8 @@ rendezvous), plus:
 - the script's arguments are kept from torchrun's parser, which would take some for its own options
   (`--nproc` after the script, for `--nproc-per-node`);
 - it writes EXIT_FILE (JSON): every failed rank's exit code, and the root cause as torchrun saw it;
+- before torchrun stops the ranks (one failed, a restart, a stop), each one still alive writes its Flight
+  Recorder dump and stack into the run directory (run/forensics.py);
 - with `--logs-specs gpucourse --log-dir DIR`, workers log to `DIR/attempt<k>/rank<r>.{stdout,stderr}`,
   named by *global* rank (the run directory's layout and EXIT_FILE's format: contract.py);
 - when every node is on this machine (`--standalone`, or a loopback rendezvous endpoint), no store of
@@ -201,29 +203,31 @@ def _bind_stores_to_loopback() -> None:
 
 
 def _dump_before_stopping_workers() -> None:
-    """torchrun stops every worker as soon as one fails: first, each one still alive writes its Flight Recorder
-    dump and stack (run/forensics.py), the evidence of which collective the job was in."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    """torchrun stops every worker the moment it sees one fail (PContext.close, from its poll): first, each one still
+    alive writes its Flight Recorder dump and stack (run/forensics.py), the evidence of which collective the job
+    was in. Also before a restart, and when the launcher stops the job (it has asked already: they answer again)."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
 
     from . import forensics
 
-    stop = LocalElasticAgent._stop_workers
+    close = PContext.close
 
-    def stop_workers(self, worker_group, *args, **kwargs):
+    def close_after_dumps(self, *args, **kwargs):
         run_dir = os.environ.get(RUN_DIR_ENV)
         if run_dir and forensics.enabled():
             procs = {}
-            for worker in worker_group.workers:
-                with contextlib.suppress(psutil.Error, TypeError, ValueError):  # gone already, or never started
-                    procs[worker.global_rank] = psutil.Process(worker.id)
+            for local_rank, pid in self.pids().items():
+                with contextlib.suppress(psutil.Error, KeyError, ValueError):  # gone already
+                    procs[int(self.envs[local_rank]["RANK"])] = psutil.Process(pid)
 
             def running() -> list[int]:
                 return [rank for rank, proc in procs.items() if alive([proc])]
 
-            forensics.request_dumps(Path(run_dir), running(), "a rank failed", running=running)
-        return stop(self, worker_group, *args, **kwargs)
+            if running():
+                forensics.request_dumps(Path(run_dir), running(), "torchrun stops the ranks", running=running)
+        return close(self, *args, **kwargs)
 
-    LocalElasticAgent._stop_workers = stop_workers
+    PContext.close = close_after_dumps
 
 
 def main(argv: list[str]) -> int:

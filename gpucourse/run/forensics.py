@@ -41,6 +41,7 @@ FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_ENTRIES = 2000  # collectives kept per rank: a few steps of a large model's FSDP traffic
 POLL_S = 0.2  # how often a rank looks for the launcher's request
 WAIT_S = 5.0  # how long the launcher waits for the ranks' dumps before it stops them
+RECENT_S = 15.0  # a request this recent is not repeated
 GLOO_SIZE_MISMATCH = "Received data size doesn't match expected size"
 KINDS = ("missing", "straggler", "crash", "order", "shape", "rendezvous")
 
@@ -127,11 +128,17 @@ def start(run_dir: Path, rank: int) -> None:
 # --- in the launcher ----------------------------------------------------------------------------------------------
 def request_dumps(run_dir: Path, ranks: list[int], why: str, running=None, wait_s: float = WAIT_S) -> list[int]:
     """Ask `ranks` for their dumps and wait (at most wait_s) until each has answered, or has ended (`running()`:
-    the ranks still alive, when the caller can tell). Returns the ranks that did not answer."""
+    the ranks still alive, when the caller can tell). Only ranks past runtime.setup() can answer; a request made
+    less than RECENT_S ago is not repeated. Returns the ranks that did not answer."""
     request = request_file(run_dir)
+    with contextlib.suppress(OSError):
+        if time.time() - request.stat().st_mtime < RECENT_S:
+            return []  # asked a moment ago (the launcher, before it stopped the job): the dumps are there
     request.parent.mkdir(parents=True, exist_ok=True)
     asked_at = time.time()
-    request.write_text(f"{why} at {asked_at:.3f}\n")
+    request.write_text(f"{why} at {asked_at:.3f}\n")  # also the mark that the run was asked (diagnose reads it)
+    # Only a rank past runtime.setup() listens; the others (a rendezvous that never formed) cannot answer.
+    ranks = sorted(set(ranks) & _ranks_with_event(run_dir, max(ranks, default=-1) + 1, EVENT_SETUP))
     deadline = time.monotonic() + wait_s
     missing = list(ranks)
     while missing and time.monotonic() < deadline:

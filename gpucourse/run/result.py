@@ -7,6 +7,7 @@ A run directory holds (contract.py has the names and the formats):
     logs/attempt<a>/rank<r>.stdout   each rank's output (and .stderr, .error.json)
     metrics/rank<r>.jsonl            what the script recorded with runtime.log()
     traces/rank<r>.json              chrome traces written by runtime.profile()
+    forensics/fr/rank_<r>            Flight Recorder dumps of a stalled or failed run (run/forensics.py)
 """
 from __future__ import annotations
 

@@ -593,7 +593,7 @@ def _time_cuda(fn, warmup: int = 3, reps: int = 10) -> float:
 
 
 def implied_gemm_fraction(speedup: float, ratio: float) -> float | None:
-    """Chapter 07's model (costs.low_precision_speedup) read backwards: the share of the bf16 step's time in
+    """Chapter 07b's model (costs.low_precision_speedup) read backwards: the share of the bf16 step's time in
     the FP8 matrix products that would give `speedup` if those ran `ratio` times faster and nothing else
     changed: 1/s = (1 - f) + f/r, so f = (1 - 1/s) / (1 - 1/r)."""
     if not speedup or ratio <= 1:

@@ -462,7 +462,8 @@ PLANNER_DEGREES = [2 ** k for k in range(0, 11)]
 class ParallelismPlanner:
     """Model, GPU count and dp/tp/pp/cp/ep: memory per GPU against the device's, and the step time, all modelled
     by models.planner.plan_parallelism. A layout whose degrees do not multiply to the GPU count, or that does
-    not divide what it splits, is refused in the summary, with the planner's message."""
+    not divide what it splits, is refused in the summary, with the planner's message. Global batch: sequences a
+    step; 0 takes one micro-batch per pipeline stage and replica (dp x pp)."""
 
     def __init__(self, model="llama3-70b", gpus=1024, dp=32, tp=8, pp=4, cp=1, ep=1, seq=8192, global_batch=None,
                  recompute="selective", system="h100-sxm", device_gb=80):
@@ -477,7 +478,7 @@ class ParallelismPlanner:
                         for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))}
         self.seq = w.Dropdown(options=[2 ** k for k in range(9, 18)], value=seq, description="sequence (tokens)",
                               style=style)
-        self.batch = w.IntText(value=global_batch or 0, description="global batch (0: dp × pp)", style=style)
+        self.batch = w.IntText(value=global_batch or 0, description="global batch", style=style)  # 0: dp × pp
         self.recompute = w.ToggleButtons(options=list(planner.RECOMPUTE), value=recompute, description="recompute",
                                          style=style)
         self.system = w.Dropdown(options=sorted(costs.SYSTEMS), value=system, description="system", style=style)

@@ -781,9 +781,9 @@ def plan_plot(plan: dict, title: str = ""):
     device = plan["device_bytes"] / GB
     left.axhline(device, color="k", ls="--", lw=1.5, label=f"device: {device:.0f} GB")
     top = max(device, plan["peak_bytes"] / GB)
-    left.set(ylabel="GB per GPU (modelled)", ylim=(0, 1.3 * top),
+    left.set(ylabel="GB per GPU (modelled)", ylim=(0, 1.7 * top),
              title="fits" if plan["fits"] else "does NOT fit: out of memory")
-    left.legend(fontsize=8, loc="upper right")
+    left.legend(fontsize=8, ncols=2, loc="upper left")  # above the device's line: the bars stop at 1x top
     parts = {"compute (at peak)": plan["compute_s"], "pipeline bubble": plan["bubble_s"],
              **{f"{dim} comm": t for dim, t in plan["comm_s"].items()}}
     shown = {k: v for k, v in parts.items() if v > 0}

@@ -473,8 +473,9 @@ class ParallelismPlanner:
         self.model = w.Dropdown(options=list(planner.SHAPES), value=model, description="model", style=style)
         self.gpus = w.SelectionSlider(options=PLANNER_GPUS, value=gpus, description="GPUs", style=style,
                                       layout=w.Layout(width="560px"))
-        self.degrees = {name: w.Dropdown(options=PLANNER_DEGREES, value=value, description=name, style=style,
-                                         layout=w.Layout(width=f"{DESCRIPTION_PX + 90}px"))
+        # Short labels in a row of their own, the first dropdown lined up with the controls above and below
+        self.degrees = {name: w.Dropdown(options=PLANNER_DEGREES, value=value, description=name,
+                                         style={"description_width": "30px"}, layout=w.Layout(width="120px"))
                         for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))}
         self.seq = w.Dropdown(options=[2 ** k for k in range(9, 18)], value=seq, description="sequence (tokens)",
                               style=style)
@@ -488,9 +489,9 @@ class ParallelismPlanner:
         self.out = w.Output()
         self.controls = [self.model, self.gpus, *self.degrees.values(), self.seq, self.batch, self.recompute,
                          self.system, self.device_gb]
-        self.widget = w.VBox([self.model, self.gpus, w.HBox(list(self.degrees.values())[:3]),
-                              w.HBox(list(self.degrees.values())[3:]), self.seq, self.batch, self.recompute,
-                              self.system, self.device_gb, self.summary, self.out])
+        row = w.HBox(list(self.degrees.values()), layout=w.Layout(margin=f"0 0 0 {DESCRIPTION_PX - 30}px"))
+        self.widget = w.VBox([self.model, self.gpus, row, self.seq, self.batch, self.recompute, self.system,
+                              self.device_gb, self.summary, self.out])
         self.plan, self.error, self.figure = None, None, None
         for control in self.controls:
             control.observe(lambda _: self.update(), names="value")
@@ -519,7 +520,7 @@ class ParallelismPlanner:
         return (f"<b>Modelled</b> (not run): {p['params']:.3g} parameters; peak {gb(p['peak_bytes'])} per GPU "
                 f"({', '.join(st['stage'] + ' stage ' + gb(st['total']) for st in p['stages'])}) — {fits} "
                 f"{gb(p['device_bytes'])}. Step {human_seconds(p['step_s'])} for {p['global_batch']:,} sequences "
-                f"in {p['micro_batches']} micro-batches; MFU {human_percent(p['mfu'])} (modelled: compute at the "
+                f"in {p['micro_batches']} micro-batch{'es' if p['micro_batches'] > 1 else ''}; MFU {human_percent(p['mfu'])} (modelled: compute at the "
                 f"dense peak, an upper bound).{warn}")
 
     def _repr_mimebundle_(self, **kwargs):

@@ -72,7 +72,7 @@ def test_published_runs_keep_the_papers_figures_apart_from_the_model():
     assert [r["reported_mfu"] for r in llama] == [0.41, 0.38]
     assert all(r["plan"]["mfu"] > r["reported_mfu"] for r in [mega, *llama])  # the model is an upper bound
     df = tables.published_runs([mega, *llama])
-    assert list(df["GPUs"]) == [3072, 16384, 16384] and "reported: MFU (%, 6N + 12LdT)" in df.columns
+    assert list(df["GPUs"]) == [3072, 16384, 16384] and "reported, as MFU (%)" in df.columns
     with pytest.raises(ValueError, match="unknown published run"):
         planner.read_published("GPT-5")
 
@@ -103,3 +103,15 @@ def test_dry_run_tables_show_counts_per_rank_and_group():
     assert list(comms["bytes (MiB)"]) == [6, 3]
     real = {"rank": 1023, "comms": [dict(rank["comms"][0]), dict(rank["comms"][1], calls=2)]}
     assert list(tables.dry_vs_real([rank], [real])["equal"]) == [True, False]
+
+
+def test_expert_parallelism_splits_the_experts_and_pays_all_to_alls():
+    base = {"gpus": 64, "dp": 8, "tp": 8, "seq": 4096, "global_batch": 64}
+    one, eight = (planner.plan_parallelism("mixtral-8x7b", ep=ep, **base) for ep in (1, 8))
+    shape = planner.shape_params("mixtral-8x7b")
+    layers = planner.SHAPES["mixtral-8x7b"]["layers"]
+    assert one["stages"][0]["params"] - eight["stages"][0]["params"] == pytest.approx(
+        layers * shape["layer_experts"] / 8 * (1 - 1 / 8))
+    assert one["comm_s"]["ep"] == 0 < eight["comm_s"]["ep"]
+    with pytest.raises(ValueError, match="must divide dp"):
+        planner.plan_parallelism("mixtral-8x7b", ep=3, **{**base, "dp": 6, "gpus": 48, "global_batch": 48})

@@ -26,7 +26,8 @@ Step time: the FLOPs of one GPU (6 N + 12 L d T per token, costs.model_flops_per
 runs again) at the device's dense peak (an upper bound: real kernels reach a fraction of it), the pipeline's bubble
 ((p - 1) / m of the step), and each dimension's communication, ring alpha-beta on the link its group spans, not
 overlapped with compute except the data-parallel gradient reduction, hidden behind the last micro-batch's backward
-where it fits.
+where it fits. Not modelled in time: ZeRO-3's extra all-gathers of the parameters, interleaved or zero-bubble
+schedules, kernels slower than the peak, stragglers.
 """
 from __future__ import annotations
 
@@ -199,7 +200,8 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
             "ep": 0.0}
     if experts:
         routed = tokens * b * s["top_k"] * d * 2 / tp  # bf16 tokens sent to their experts
-        comm["ep"] = 4 * s["layers"] // pp * m * _time("all_to_all", routed, ep, system, span["ep"])
+        # dispatch and combine, forward and backward
+        comm["ep"] = 4 * layers * m * _time("all_to_all", routed, ep, system, span["ep"])
     reduce_grads = _time("all_reduce", grad_bytes, dp * cp, system, span["dp"])
     last_backward = compute / m * costs.BACKWARD_FRACTION
     comm["dp"] = max(0.0, reduce_grads - last_backward)
@@ -226,21 +228,22 @@ PUBLISHED = {
                   "Megatron-LM, SC21, arXiv 2104.04473: Table 1 and section 5.1",
         "plan": {"model": "megatron-1t", "gpus": 3072, "dp": 6, "tp": 8, "pp": 64, "seq": 2048,
                  "global_batch": 3072, "system": "a100-sxm", "recompute": "full"},
-        "reported": {"pflops": 502, "share_of_peak": 0.52, "tflops_per_gpu": 163},
+        "reported": {"pflops": 502, "share_of_peak": 0.52, "tflops_per_gpu": 163,
+                     "text": "502 PFLOP/s on 3,072 GPUs, 52 % of peak (163 TFLOP/s a GPU)"},
     },
     "Llama 3 405B, 8K context (Grattafiori et al. 2024)": {
         "source": "Grattafiori et al., The Llama 3 Herd of Models, arXiv 2407.21783: section 3.3.2, Table 4 "
                   "(16,384 GPUs, TP 8, CP 1, PP 16, DP 128, 8,192 tokens, 16M tokens a batch)",
         "plan": {"model": "llama3-405b", "gpus": 16384, "dp": 128, "tp": 8, "pp": 16, "seq": 8192,
                  "global_batch": 2048, "system": "h100-sxm"},
-        "reported": {"tflops_per_gpu": 400, "mfu": 0.41},
+        "reported": {"tflops_per_gpu": 400, "mfu": 0.41, "text": "400 TFLOP/s a GPU, 41 % BF16 MFU"},
     },
     "Llama 3 405B, 128K context (Grattafiori et al. 2024)": {
         "source": "Grattafiori et al., The Llama 3 Herd of Models, arXiv 2407.21783: section 3.3.2, Table 4 "
                   "(16,384 GPUs, TP 8, CP 16, PP 16, DP 8, 131,072 tokens, 16M tokens a batch)",
         "plan": {"model": "llama3-405b", "gpus": 16384, "dp": 8, "tp": 8, "pp": 16, "cp": 16, "seq": 131072,
                  "global_batch": 128, "system": "h100-sxm"},
-        "reported": {"tflops_per_gpu": 380, "mfu": 0.38},
+        "reported": {"tflops_per_gpu": 380, "mfu": 0.38, "text": "380 TFLOP/s a GPU, 38 % BF16 MFU"},
     },
 }
 

@@ -520,7 +520,8 @@ class ParallelismPlanner:
         return (f"<b>Modelled</b> (not run): {p['params']:.3g} parameters; peak {gb(p['peak_bytes'])} per GPU "
                 f"({', '.join(st['stage'] + ' stage ' + gb(st['total']) for st in p['stages'])}) — {fits} "
                 f"{gb(p['device_bytes'])}. Step {human_seconds(p['step_s'])} for {p['global_batch']:,} sequences "
-                f"in {p['micro_batches']} micro-batch{'es' if p['micro_batches'] > 1 else ''}; MFU {human_percent(p['mfu'])} (modelled: compute at the "
+                f"in {p['micro_batches']} micro-batch{'es' if p['micro_batches'] > 1 else ''}; "
+                f"MFU {human_percent(p['mfu'])} (modelled: compute at the "
                 f"dense peak, an upper bound).{warn}")
 
     def _repr_mimebundle_(self, **kwargs):

@@ -258,3 +258,17 @@ def test_explorer_reports_a_broken_trace_instead_of_raising(tmp_path):
     (run_dir / "traces" / "rank0.json").write_text("{ truncated")
     ex = run_explorer(tmp_path)
     assert ex.analysis is None and "cannot analyse broken" in ex.out.outputs[-1]["text"]
+
+
+def test_planner_shows_a_plan_refuses_a_bad_one_and_redraws():
+    from gpucourse.viz.widgets import parallelism_planner
+
+    w = parallelism_planner(model="llama3-70b", gpus=1024, dp=32, tp=8, pp=4)
+    assert "application/vnd.jupyter.widget-view+json" in w._repr_mimebundle_()
+    assert "Modelled" in w.summary.value and "fits in" in w.summary.value and len(w.out.outputs) == 1
+    w.degrees["dp"].value = 16  # 16 x 8 x 4 = 512 places for 1,024 GPUs
+    assert "Not a plan" in w.summary.value and "512" in w.summary.value and w.out.outputs == ()
+    w.degrees["pp"].value = 8   # 1,024 again
+    assert w.plan["layout"]["pp"] == 8 and len(w.out.outputs) == 1
+    w.device_gb.value = 1
+    assert "does <b>not</b> fit" in w.summary.value

@@ -1016,3 +1016,76 @@ def noise_spread(measured: dict) -> pd.DataFrame:
              "batch sizes B": f"{min(m['b_noise'])}..{max(m['b_noise'])}",
              "noise scale (samples)": float(f"{m['noise_scale']:.3g}")} for where, m in measured.items()]
     return pd.DataFrame(rows).set_index("weights")
+
+
+# --- chapter 12: at scale, on your laptop (dry runs counted, plans modelled) ------------------------------------
+def _group_text(group: list) -> str:
+    return str(group) if len(group) <= 4 else f"[{group[0]}, {group[1]}, …, {group[-1]}]"
+
+
+def dryrun_memory(report: dict, device_bytes: float = 80e9) -> pd.DataFrame:
+    """One row per simulated rank of a dry run (gpucourse.dryrun, each rank's "predicted" filled by
+    costs.dryrun_step_time): the memory peak and its parts (MiB, counted in the dry run), the peak's share of
+    `device_bytes`, the FLOPs counted, and the step time and MFU modelled on the named system."""
+    rows = []
+    for r in report["ranks"]:
+        p = r.get("predicted") or {}
+        rows.append({"rank": r["rank"], **{f"{k} (MiB)": round(v / 2**20, 3) for k, v in r["memory"].items()},
+                     "peak (MiB)": round(r["peak_bytes"] / 2**20, 3),
+                     f"peak / {device_bytes / 1e9:.0f} GB (%)": round(100 * r["peak_bytes"] / device_bytes, 6),
+                     "FLOPs counted": r["flops"],
+                     "step, modelled (ms)": round(p["step_s"] * 1e3, 3) if p else None,
+                     "MFU, modelled (%)": round(100 * p["mfu"], 4) if p and p["mfu"] is not None else None})
+    return pd.DataFrame(rows).set_index("rank")
+
+
+def dryrun_comms(report: dict) -> pd.DataFrame:
+    """Every collective and point-to-point call each simulated rank made in its step, by process group (its size
+    and global ranks, first and last shown): calls and bytes in nccl-tests' convention, counted."""
+    rows = [{"rank": r["rank"], "op": c["op"], "group size": c["group_size"], "group": _group_text(c["group"] or []),
+             "calls": c["calls"], "bytes": c["bytes"]} for r in report["ranks"] for c in r["comms"]]
+    return frame(rows, "rank", bytes_columns=["bytes"])
+
+
+def dry_vs_real(dry: list[dict], real: list[dict]) -> pd.DataFrame:
+    """The same script at the same world size, dry (fake process group) and real (a launched job counting with
+    $GPUCOURSE_COUNT_FILE): per rank, op and group, the calls and bytes each counted, and whether they agree."""
+    rows = []
+    for d, r in zip(dry, real):
+        real_by = {(c["op"], tuple(c["group"] or [])): c for c in r["comms"]}
+        for c in d["comms"]:
+            other = real_by.get((c["op"], tuple(c["group"] or [])), {})
+            rows.append({"rank": d["rank"], "op": c["op"], "group": _group_text(c["group"] or []),
+                         "calls, dry": c["calls"], "calls, real": other.get("calls"),
+                         "bytes, dry": c["bytes"], "bytes, real": other.get("bytes"),
+                         "equal": other.get("calls") == c["calls"] and other.get("bytes") == c["bytes"]})
+    return pd.DataFrame(rows).set_index("rank")
+
+
+def plan_memory(plan: dict) -> pd.DataFrame:
+    """A plan (models.planner.plan_parallelism), MODELLED: one row per pipeline stage shown (first, last), its
+    layers, parameters held, memory by part and in all (GB), and whether it fits in the device's memory."""
+    rows = [{"stage (modelled)": st["stage"], "layers": st["layers"], "params held (B)": round(st["params"] / 1e9, 2),
+             **{f"{k} (GB)": round(v / 1e9, 1) for k, v in st["memory"].items()},
+             "total (GB)": round(st["total"] / 1e9, 1), f"fits {plan['device_bytes'] / 1e9:.0f} GB":
+             st["total"] <= plan["device_bytes"]} for st in plan["stages"]]
+    return pd.DataFrame(rows).set_index("stage (modelled)")
+
+
+def published_runs(readings: list[dict]) -> pd.DataFrame:
+    """Published runs (models.planner.read_published) beside the course's model of the same layout: the
+    paper's figures in the "reported" columns, the model's in the "modelled" ones. "reported, as MFU": the
+    paper's MFU where it states one (Llama 3), else its throughput recounted in model FLOPs (6 N + 12 L d T) by
+    read_published (Megatron-LM's 52 % counts the recomputed forward)."""
+    rows = []
+    for r in readings:
+        p, lay = r["plan"], r["plan"]["layout"]
+        rows.append({"run": r["name"], "GPUs": p["gpus"], "dp × tp × pp × cp": " × ".join(
+            str(lay[k]) for k in ("dp", "tp", "pp", "cp")), "micro-batches": p["micro_batches"],
+            "reported (the paper's words)": r["reported"]["text"],
+            "reported, as MFU (%)": round(100 * r["reported_mfu"], 1),
+            "modelled: MFU (%, upper bound)": round(100 * p["mfu"], 1),
+            "modelled: step (s)": round(p["step_s"], 2),
+            "modelled: peak per GPU (GB)": round(p["peak_bytes"] / 1e9, 1), "modelled: fits": p["fits"],
+            "source": r["source"]})
+    return pd.DataFrame(rows).set_index("run")

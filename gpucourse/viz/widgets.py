@@ -16,6 +16,7 @@ work the same in JupyterLab, under papermill and in plain Python (tests), from a
 """
 from __future__ import annotations
 
+import html
 import io
 import math
 import numbers
@@ -23,14 +24,14 @@ import re
 import threading
 from pathlib import Path
 
-from ..models import costs
+from ..models import costs, planner
 from ..models.memory import OPTIMIZER_LABELS, PARTS, PRECISION_LABELS, STAGE_NAMES, gb, largest_model, stages_table
 from ..models.traces import TraceError, analyze_run
 from ..models.units import human_percent, human_seconds, human_si
 from ..run.contract import traces_dir
 from ..run.result import list_runs
 from . import timeline
-from .plots import stages_plot
+from .plots import plan_plot, stages_plot
 
 FITTED = "your fitted α–β (this machine)"
 WORLD_SIZES = [2**k for k in range(15)]  # 1 … 16384: the simulator's world-size choices
@@ -450,3 +451,83 @@ class MemoryCalculator:
 def memory_calculator(**kwargs) -> MemoryCalculator:
     """The chapter 07 memory calculator (keyword arguments: starting values, see MemoryCalculator)."""
     return MemoryCalculator(**kwargs)
+
+
+# --- chapter 12: the parallelism planner (modelled) -------------------------------------------------------------
+
+PLANNER_GPUS = [2 ** k for k in range(3, 16)]  # 8 to 32,768
+PLANNER_DEGREES = [2 ** k for k in range(0, 11)]
+
+
+class ParallelismPlanner:
+    """Model, GPU count and dp/tp/pp/cp/ep: memory per GPU against the device's, and the step time, all modelled
+    by models.planner.plan_parallelism. A layout whose degrees do not multiply to the GPU count, or that does
+    not divide what it splits, is refused in the summary, with the planner's message. Global batch: sequences a
+    step; 0 takes one micro-batch per pipeline stage and replica (dp x pp)."""
+
+    def __init__(self, model="llama3-70b", gpus=1024, dp=32, tp=8, pp=4, cp=1, ep=1, seq=8192, global_batch=None,
+                 recompute="selective", system="h100-sxm", device_gb=80):
+        import ipywidgets as w
+
+        style = {"description_width": f"{DESCRIPTION_PX}px"}
+        self.model = w.Dropdown(options=list(planner.SHAPES), value=model, description="model", style=style)
+        self.gpus = w.SelectionSlider(options=PLANNER_GPUS, value=gpus, description="GPUs", style=style,
+                                      layout=w.Layout(width="560px"))
+        # Short labels in a row of their own, the first dropdown lined up with the controls above and below
+        self.degrees = {name: w.Dropdown(options=PLANNER_DEGREES, value=value, description=name,
+                                         style={"description_width": "30px"}, layout=w.Layout(width="120px"))
+                        for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))}
+        self.seq = w.Dropdown(options=[2 ** k for k in range(9, 18)], value=seq, description="sequence (tokens)",
+                              style=style)
+        self.batch = w.IntText(value=global_batch or 0, description="global batch", style=style)  # 0: dp × pp
+        self.recompute = w.ToggleButtons(options=list(planner.RECOMPUTE), value=recompute, description="recompute",
+                                         style=style)
+        self.system = w.Dropdown(options=sorted(costs.SYSTEMS), value=system, description="system", style=style)
+        self.device_gb = w.BoundedFloatText(value=device_gb, min=1, max=10_000, description="GB per device",
+                                            style=style)
+        self.summary = w.HTML()
+        self.out = w.Output()
+        self.controls = [self.model, self.gpus, *self.degrees.values(), self.seq, self.batch, self.recompute,
+                         self.system, self.device_gb]
+        row = w.HBox(list(self.degrees.values()), layout=w.Layout(margin=f"0 0 0 {DESCRIPTION_PX - 30}px"))
+        self.widget = w.VBox([self.model, self.gpus, row, self.seq, self.batch, self.recompute, self.system,
+                              self.device_gb, self.summary, self.out])
+        self.plan, self.error, self.figure = None, None, None
+        for control in self.controls:
+            control.observe(lambda _: self.update(), names="value")
+        self.update()
+
+    def update(self) -> None:
+        try:
+            self.plan = planner.plan_parallelism(
+                self.model.value, gpus=self.gpus.value, **{k: c.value for k, c in self.degrees.items()},
+                seq=self.seq.value, global_batch=self.batch.value or None, recompute=self.recompute.value,
+                system=self.system.value, device_bytes=self.device_gb.value * 1e9)
+            self.error = None
+        except ValueError as exc:
+            self.plan, self.error, self.figure = None, str(exc), None
+            self.summary.value = f"<b>Not a plan:</b> {html.escape(self.error)}"
+            show_in(self.out, [])
+            return
+        self.figure = plan_plot(self.plan)
+        self.summary.value = self.describe()
+        show_in(self.out, [self.figure])
+
+    def describe(self) -> str:
+        p = self.plan
+        fits = "fits in" if p["fits"] else "does <b>not</b> fit in"
+        warn = "".join(f"<br>⚠ {html.escape(text)}" for text in p["warnings"])
+        return (f"<b>Modelled</b> (not run): {p['params']:.3g} parameters; peak {gb(p['peak_bytes'])} per GPU "
+                f"({', '.join(st['stage'] + ' stage ' + gb(st['total']) for st in p['stages'])}) — {fits} "
+                f"{gb(p['device_bytes'])}. Step {human_seconds(p['step_s'])} for {p['global_batch']:,} sequences "
+                f"in {p['micro_batches']} micro-batch{'es' if p['micro_batches'] > 1 else ''}; "
+                f"MFU {human_percent(p['mfu'])} (modelled: compute at the "
+                f"dense peak, an upper bound).{warn}")
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+def parallelism_planner(**kwargs) -> ParallelismPlanner:
+    """Chapter 12's planner (keyword arguments: starting values, see ParallelismPlanner)."""
+    return ParallelismPlanner(**kwargs)

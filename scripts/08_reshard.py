@@ -58,6 +58,14 @@ if second < 1 or world % second:
 dp = world // second if args.layout == "fsdp-tp" else world  # data-parallel ranks: each takes a slice
 if args.batch % dp:
     parser.error(f"--batch {args.batch} does not split evenly over {dp} data-parallel ranks")
+if args.save_at >= args.steps:
+    parser.error(f"--save-at {args.save_at} is never reached: the run ends after step {args.steps - 1}")
+if args.drop_loader_state and not args.resume_from:
+    parser.error("--drop-loader-state only changes how a run resumes: give --resume-from too")
+if args.resume_from and not Path(args.resume_from, ".metadata").is_file():
+    parser.error(f"--resume-from {args.resume_from}: not a DCP checkpoint (no .metadata file in it)")
+if args.resume_from and args.torch_save and not Path(args.resume_from, f"rank{ctx.rank}.pt").is_file():
+    parser.error(f"--resume-from {args.resume_from} --torch-save: no rank{ctx.rank}.pt (saved without --torch-save?)")
 
 
 class MLP(nn.Module):
@@ -107,7 +115,8 @@ class GlobalOrderLoader:
     def _id(self, position: int) -> int:
         epoch, index = divmod(position, self.samples)
         if epoch not in self._perms:
-            self._perms[epoch] = torch.randperm(self.samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+            seeded = torch.Generator().manual_seed(self.seed + epoch)
+            self._perms[epoch] = torch.randperm(self.samples, generator=seeded)
         return int(self._perms[epoch][index])
 
     def state_dict(self) -> dict:

@@ -42,6 +42,8 @@ TRAINING_SCRIPTS = {
     "09_gpt_2d": lambda w: ["--dp", str(max(1, w // 2)), "--tp", str(min(w, 2)), "--steps", "5", "--layers", "1",
                             "--eval-batches", "1", "--sample", "0"],
     "11_moe": lambda w: ["--router", "learned", "skewed", "--capacity-factor", "1.0", "1.25"],
+    "08_reshard": lambda w: ["--layout", "fsdp-tp" if w % 2 == 0 else "fsdp", "--steps", "6", "--save-at", "2",
+                             "--batch", str(4 * w), "--samples", str(24 * w)],  # trains, saves with DCP, trains on
 }
 
 

@@ -612,3 +612,26 @@ def test_best_rules_and_noise_spread():
     measured = {"initial weights": {"b_noise": {32: 8.0, 64: 8.81234, 128: 10.0}, "noise_scale": 2.1234}}
     spread = tables.noise_spread(measured)
     assert spread.loc["initial weights"].tolist() == [1.25, "32..128", 2.12]
+
+
+# --- chapter 08: checkpoints that reshard (helper reshard's part of issue 30) ---------------------------
+def test_reshard_compares_losses_and_sample_ids_and_counts_repeats():
+    def run(losses, batches, first=0, **extra):
+        return [{"step": first + s, "loss": loss, "ids": ids, "layout": "fsdp", "world": 4, **extra}
+                for s, (loss, ids) in enumerate(zip(losses, batches))] + [{"event": "setup"}]
+    batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    reference = run([4.0, 3.0, 2.0, 1.0], batches)
+    exact = run([2.0, 1.0 + 1e-12], batches[2:], first=2, world=2)
+    dropped = run([2.5, 1.5], batches[:2], first=2)  # the loader started again at sample 0
+    df = tables.reshard(reference, {"exact": exact, "dropped": dropped}, save_at=1)
+    assert df.loc["exact", "world"] == 2 and df.loc["exact", "steps after the save"] == 2
+    assert 0 < df.loc["exact", "max |loss − uninterrupted|"] < 1e-11
+    assert df.loc["exact", "steps with the same sample ids"] == 2
+    assert df.loc["exact", ["samples repeated", "samples skipped"]].tolist() == [0, 0]
+    assert df.loc["dropped", "steps with the same sample ids"] == 0
+    assert df.loc["dropped", ["samples repeated", "samples skipped"]].tolist() == [4, 4]
+    assert df.loc["dropped", "max |loss − uninterrupted|"] == 0.5
+    with pytest.raises(ValueError, match="no step records"):
+        tables.reshard(reference, {"failed": [{"event": "setup"}]}, save_at=1)
+    with pytest.raises(ValueError, match="must run past step"):
+        tables.samples_out_of_place(reference[:2], exact, save_at=1)

@@ -1089,3 +1089,50 @@ def published_runs(readings: list[dict]) -> pd.DataFrame:
             "modelled: peak per GPU (GB)": round(p["peak_bytes"] / 1e9, 1), "modelled: fits": p["fits"],
             "source": r["source"]})
     return pd.DataFrame(rows).set_index("run")
+
+
+# --- chapter 08: checkpoints that reshard ---------------------------------------------------------------
+def _steps(records: list[dict]) -> dict[int, dict]:
+    """{step: record} of a run's step records (those carrying a loss and the step's sample ids)."""
+    return {r["step"]: r for r in records if "loss" in r and "ids" in r}
+
+
+def samples_out_of_place(reference: list[dict], resumed: list[dict], save_at: int) -> tuple[int, int]:
+    """(repeated, skipped): how many samples the run that saved after step `save_at` and then `resumed` trained on
+    more often, and less often, than the uninterrupted `reference` did over the same steps (rank 0's records)."""
+    from collections import Counter
+
+    ref, res = _steps(reference), _steps(resumed)
+    last = max(res, default=save_at)
+    missing = [s for s in range(last + 1) if s not in ref]
+    if missing:
+        raise ValueError(f"the reference run has no record of step(s) {missing[:5]}: it must run past step {last}")
+    before = Counter(i for s in range(save_at + 1) for i in ref[s]["ids"])
+    after = Counter(i for s in range(save_at + 1, last + 1) if s in res for i in res[s]["ids"])
+    expected = Counter(i for s in range(last + 1) for i in ref[s]["ids"])
+    got = before + after
+    return sum((got - expected).values()), sum((expected - got).values())
+
+
+def reshard(reference: list[dict], resumed: dict[str, list[dict]], save_at: int) -> pd.DataFrame:
+    """One row per resumed run (chapter 08): its layout and world size, the steps it ran after the checkpoint, the
+    largest difference of its float64 loss from the uninterrupted run's at the same step, how many of its steps used
+    exactly the uninterrupted run's sample ids, and the samples it repeated or skipped. reference: the uninterrupted
+    run's records (rank 0), which saved after step `save_at`; resumed: {name: records (rank 0)}."""
+    ref = _steps(reference)
+    rows = []
+    for name, records in resumed.items():
+        steps = _steps(records)
+        if not steps:
+            raise ValueError(f"{name}: no step records (did the run fail?)")
+        unmatched = [s for s in steps if s not in ref]
+        if unmatched:
+            raise ValueError(f"{name}: step(s) {unmatched[:5]} are not in the reference run")
+        repeated, skipped = samples_out_of_place(reference, records, save_at)
+        first = next(iter(steps.values()))
+        rows.append({"resumed as": name, "layout": first.get("layout"), "world": first.get("world"),
+                     "steps after the save": len(steps),
+                     "max |loss − uninterrupted|": max(abs(r["loss"] - ref[s]["loss"]) for s, r in steps.items()),
+                     "steps with the same sample ids": sum(r["ids"] == ref[s]["ids"] for s, r in steps.items()),
+                     "samples repeated": repeated, "samples skipped": skipped})
+    return pd.DataFrame(rows).set_index("resumed as")

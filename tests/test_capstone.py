@@ -13,6 +13,8 @@ import gpucourse
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.xdist_group("capstone")  # one worker: the launches its tests share are made once
+
 SCRIPT = ROOT / "scripts" / "09_gpt_2d.py"
 STEPS, TOL = 5, 1e-4
 MESHES = [(2, 2, "fsdp"), (1, 2, "fsdp"), (2, 1, "allreduce")]  # (dp, tp, how the dp dimension is done)

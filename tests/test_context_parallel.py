@@ -8,6 +8,8 @@ from gpucourse import costs, exercises, launch
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.xdist_group("context-parallel")  # one worker: the launches its tests share are made once
+
 SCRIPT = ROOT / "scripts" / "10_context_parallel.py"
 HEADS, KV_HEADS, SEQ, HEAD_DIM = 4, 1, 16, 4
 

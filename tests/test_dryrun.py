@@ -19,7 +19,6 @@ from .conftest import ROOT, run_cli
 
 CAPSTONE = ROOT / "scripts" / "09_gpt_2d.py"
 DDP = ROOT / "scripts" / "03_ddp_train.py"
-DDP_COMPARE = ROOT / "scripts" / "02_ddp_compare.py"  # torch's DDP, and exercise ex02's two (the solution here)
 PIPELINE = ROOT / "scripts" / "05_pipeline.py"
 DTENSOR_TP = ROOT / "scripts" / "06_dtensor_tp.py"
 FSDP_MEMORY = ROOT / "scripts" / "07_memory.py"
@@ -27,7 +26,6 @@ CONTEXT = ROOT / "scripts" / "10_context_parallel.py"
 MOE = ROOT / "scripts" / "11_moe.py"
 SMOKE = {CAPSTONE: ["--steps", "2", "--eval-batches", "0", "--sample", "0", "--layers", "1", "--batch", "4"],
          DDP: ["--steps", "2", "--warmup", "2", "--profile-steps", "0", "--hidden", "64", "--layers", "2"],
-         DDP_COMPARE: [str(ROOT / "solutions" / "ex02_ddp.py"), "--steps", "2", "--batch", "4"],
          PIPELINE: ["--schedules", "1f1b", "--micro", "2", "--steps", "2", "--work-ms", "0"],
          DTENSOR_TP: ["--hidden", "32", "--seq", "4", "--impl", str(ROOT / "solutions" / "ex06_tensor_parallel.py")],
          FSDP_MEMORY: ["--modes", "fsdp2", "--steps", "2", "--width", "64", "--depth", "2", "--batch", "8"],
@@ -35,17 +33,20 @@ SMOKE = {CAPSTONE: ["--steps", "2", "--eval-batches", "0", "--sample", "0", "--l
                    "--impl", str(ROOT / "solutions" / "ex10_ring_attention.py")],
          MOE: ["--mode", "timing", "--router", "uniform", "--steps", "2", "--warmup", "0", "--tokens", "16",
                "--impl", str(ROOT / "solutions" / "ex11_expert_parallel.py")]}
-# At world 2: the capstone with FSDP over 2 ranks, and with tensor parallelism over 2; DDP over 2 (chapters 03 and
-# 02); a pipeline of 2 stages (05); an MLP block split over 2 by DTensor and by ex06's layers (06); FSDP2 (07); a
+# At world 2: the capstone with FSDP over 2 ranks, and with tensor parallelism over 2; DDP over 2 (chapter 03's
+# script; chapter 02's, 02_ddp_compare.py, dry-runs the same DDP: its docstring has the command); a pipeline of 2 stages (05); an MLP block split over 2 by DTensor and by ex06's layers (06); FSDP2 (07); a
 # small model trained with its sequence split over 2 (10: all-gathered K/V, gradients all-reduced); an MoE layer's
 # experts over 2 (11), uniformly routed: what the dry run assumes every rank receives is then exactly what it does.
 CASES = {"capstone-fsdp": (CAPSTONE, ["--dp", "2", "--tp", "1"]), "capstone-tp": (CAPSTONE, ["--dp", "1", "--tp", "2"]),
-         "ddp": (DDP, []), "ddp-compare": (DDP_COMPARE, []), "pipeline": (PIPELINE, []), "dtensor-tp": (DTENSOR_TP, []),
+         "ddp": (DDP, []), "pipeline": (PIPELINE, []), "dtensor-tp": (DTENSOR_TP, []),
          "fsdp-memory": (FSDP_MEMORY, []), "context": (CONTEXT, []),
          "moe": (MOE, [])}
 # The step each case reports: the last it logged (--steps 2 from 0; the pipeline counts from 1; chapter 10 trains 3
 # steps); None where the script logs no step (the whole run is one forward and backward)
 LAST_STEP = {"pipeline": 2, "dtensor-tp": None, "context": 2}
+# One worker runs the module: under pytest-xdist each worker would set the module's fixtures up again (each case's
+# two launches, twice).
+pytestmark = pytest.mark.xdist_group("dryrun")
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -81,9 +82,9 @@ def test_dry_counts_equal_the_real_gloo_run(real_and_dry):
 
 def test_model_states_equal_the_zero_formulas(real_and_dry):
     case, result, _, dry = real_and_dry
-    if case in ("ddp-compare", "pipeline", "dtensor-tp", "context", "moe"):
-        pytest.skip(f"{case}: no optimizer step to count (pipeline, tensor and context parallel: plain SGD by "
-                    "hand), or three models in turn")
+    if case in ("pipeline", "dtensor-tp", "context", "moe"):
+        pytest.skip(f"{case}: no optimizer step to count (pipeline, tensor and context parallel, MoE: plain SGD by "
+                    "hand)")
     key = "num_params" if case == "fsdp-memory" else "params"  # 07_memory.py's "params" are bytes
     n = next(rec for rec in result.metrics[0] if key in rec)[key]
     states = [d["model_states"] for d in dry]

@@ -13,6 +13,7 @@ from gpucourse.run.launcher import launch_all
 
 from .conftest import JOBS, ROOT, run_cli
 
+pytestmark = pytest.mark.xdist_group("forensics")  # one worker: the module's launches are made once
 HANGS = ROOT / "scripts" / "08_hangs.py"
 FAULTS = JOBS / "faults.py"
 NPROC = 3

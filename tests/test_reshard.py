@@ -20,7 +20,7 @@ RESUMES = {  # name: (ranks, layout, extra arguments)
     "drop-loader-state": (2, "fsdp", ["--drop-loader-state"]),
     "torch-save": (2, "fsdp", ["--torch-save"]),
 }
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("reshard")]  # one worker: launched once
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,13 @@ def final_params(res) -> dict:
     return torch.load(path)
 
 
-@pytest.mark.parametrize("kill", KILLS, ids=lambda k: f"{k[0]}-ranks-rank{k[1]}-dies-at-step{k[2]}")
+def same_world(world: int):
+    """Tests of one world size on one pytest-xdist worker: its uninterrupted run is launched once, not per worker."""
+    return pytest.mark.xdist_group(f"restarts-w{world}")
+
+
+@pytest.mark.parametrize("kill", [pytest.param(k, marks=same_world(k[0])) for k in KILLS],
+                         ids=lambda k: f"{k[0]}-ranks-rank{k[1]}-dies-at-step{k[2]}")
 def test_killed_rank_restarts_once_and_resumes_exactly(launched, kill):
     world, rank, step = kill
     res, uninterrupted = launched(run, kill, (world, None, None), parallel=PARALLEL)
@@ -89,7 +95,7 @@ def test_killed_rank_restarts_once_and_resumes_exactly(launched, kill):
     assert not differing, f"{world} ranks: the losses of steps {differing} differ from the uninterrupted run's"
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"{w}-ranks")
+@pytest.mark.parametrize("world", [pytest.param(w, marks=same_world(w)) for w in WORLDS], ids=lambda w: f"{w}-ranks")
 def test_uninterrupted_run_never_restarts(launched, world):
     ref, = launched(run, (world, None, None))
     assert ref.ok, ref.summary()

@@ -15,6 +15,8 @@ from gpucourse.models.traces import (
 
 from .conftest import JOBS
 
+pytestmark = pytest.mark.xdist_group("traces")  # one worker: the launches its tests share are made once
+
 MAIN, GLOO = 1, 2  # thread ids in the hand-made traces
 
 

@@ -19,6 +19,8 @@ the collective's wait releases the GIL) and when an exception ends it (runtime's
     shape       the same collective with different sizes (in the dumps, or in gloo's abort of the rank that
                 received a message of another size: that rank leaves no dump)
     rendezvous  no rank got as far as a process group (a wrong address, port or world size)
+and "unknown" when the dumps show none of these (every rank in the same collective, or no dump at all). Only the
+default process group is read: a hang inside a subgroup (FSDP's, TP's) shows as the ranks that wait in it.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ the collective's wait releases the GIL) and when an exception ends it (runtime's
                 received a message of another size: that rank leaves no dump)
     rendezvous  no rank got as far as a process group (a wrong address, port or world size)
 and "unknown" when the dumps show none of these (every rank in the same collective, or no dump at all). Only the
-default process group is read: a hang inside a subgroup (FSDP's, TP's) shows as the ranks that wait in it.
+default process group is read: a hang inside a subgroup (FSDP's, TP's) is not diagnosed yet.
 """
 from __future__ import annotations
 

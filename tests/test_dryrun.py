@@ -119,15 +119,22 @@ def test_capstone_at_world_1024(tmp_path):
 
 
 def test_step_time_is_modelled_on_the_links_the_groups_span():
-    """A group inside one node of 8 rides NVLink, one across nodes InfiniBand; compute runs at the peak."""
+    """A group inside one node of 8 rides NVLink, one across nodes InfiniBand, a send the link to its peer; compute
+    runs at the peak."""
     spec = costs.SYSTEMS["h100-sxm"]
     peak = costs.peak_flops(spec["device"], "bf16")
     nvlink, ib = (costs.INTERCONNECTS[spec[k]] for k in ("inside", "between"))
     inside = {"op": "all_reduce", "group_size": 4, "group": [8, 9, 10, 11], "calls": 2, "bytes": 2 * 2**20}
     across = {"op": "all_gather_single", "group_size": 2, "group": [3, 11], "calls": 1, "bytes": 2**20}
-    got = costs.dryrun_step_time({"flops": peak * 0.5, "comms": [inside, across]})
+    # sends in the world's group: to a peer in rank 9's node (NVLink), to one in the next node (InfiniBand)
+    world = list(range(1024))
+    near = {"op": "send", "group_size": 1024, "group": world, "peers": [10], "calls": 1, "bytes": 2**20}
+    far = {"op": "recv", "group_size": 1024, "group": world, "peers": [17], "calls": 1, "bytes": 2**20}
+    got = costs.dryrun_step_time({"rank": 9, "flops": peak * 0.5, "comms": [inside, across, near, far]})
     comm = (2 * costs.collective_time("all_reduce", 2**20, 4, nvlink.alpha, nvlink.beta)
-            + costs.collective_time("all_gather", 2**20, 2, ib.alpha, ib.beta))
+            + costs.collective_time("all_gather", 2**20, 2, ib.alpha, ib.beta)
+            + costs.collective_time("send_recv", 2**20, 2, nvlink.alpha, nvlink.beta)
+            + costs.collective_time("send_recv", 2**20, 2, ib.alpha, ib.beta))
     assert got["label"] == "modelled" and got["compute_s"] == pytest.approx(0.5)
     assert got["comm_s"] == pytest.approx(comm) and got["mfu"] == pytest.approx(0.5 / (0.5 + comm))
     with pytest.raises(ValueError, match="system must be one of"):

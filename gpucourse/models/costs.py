@@ -1028,7 +1028,8 @@ def dryrun_step_time(rank_report, *, system="h100-sxm", dtype="bf16"):
     Compute: the rank's counted FLOPs at the device's dense `dtype` peak (a lower bound: real kernels reach a
     fraction of it). Communication: each counted call's ring α–β time (`collective_time`) on the system's link
     inside a node when every rank of its group sits in one node of `node_size` GPUs (ranks node_size*k ...), its
-    link between nodes otherwise; nothing overlapped with compute. Returns {"label": "modelled", "system",
+    link between nodes otherwise; a send or receive on the link between the rank and its peer(s), whatever group
+    it was issued in; nothing overlapped with compute. Returns {"label": "modelled", "system",
     "device", "dtype", "compute_s", "comm_s", "step_s", "mfu", "assumes"}; mfu = compute_s / step_s.
     """
     _require(system in SYSTEMS, f"system must be one of {sorted(SYSTEMS)}, got {system!r}")
@@ -1040,7 +1041,9 @@ def dryrun_step_time(rank_report, *, system="h100-sxm", dtype="bf16"):
         n = row["group_size"]
         if kind is None or row["calls"] == 0 or n < 2 and kind != "send_recv":
             continue
-        nodes = {r // spec["node_size"] for r in row["group"] or []}
+        # a send or receive rides the link to its peer; a collective, the links its group spans
+        members = [rank_report["rank"], *row["peers"]] if row.get("peers") else row["group"] or []
+        nodes = {r // spec["node_size"] for r in members}
         link = INTERCONNECTS[spec["inside"] if len(nodes) <= 1 else spec["between"]]
         comm += row["calls"] * collective_time(kind, row["bytes"] / row["calls"], max(n, 2), link.alpha, link.beta)
     step = compute + comm

@@ -159,7 +159,8 @@ def layout_problem(case: str, plan: dict) -> str | None:
         return f"dp x tp x pp x cp = {product:,}, not the case's {gpus:,} GPUs"
     if degrees["cp"] != 1:
         return f"cp={degrees['cp']}: this exercise keeps cp = 1 (sequences of 8K tokens or fewer)"
-    if plan.get("zero", 1) not in ZERO_STAGES:
+    zero = plan.get("zero", 1)
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
         return f"zero={plan.get('zero')!r}: one of {ZERO_STAGES} (ZeRO-3's all-gathers are not in the step time)"
     try:
         modelled(case, plan)

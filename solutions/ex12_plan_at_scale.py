@@ -2,8 +2,9 @@
 
 Task
 ----
-Chapter 12 planned Llama 3 70B on 1,024 H100s by hand. Write `plan_training(model, gpus, system, seq,
-global_batch)`: a plan, as a dict of plan_parallelism's keyword arguments,
+Chapter 12 fitted Llama 3 70B on 1,024 H100s with tp 8 and the fewest pipeline stages (planner.smallest_fitting):
+a plan that fits, not the fastest. Write `plan_training(model, gpus, system, seq, global_batch)`: the fastest
+plan that keeps the rules below, as a dict of plan_parallelism's keyword arguments,
 
     {"dp": 128, "tp": 8, "pp": 1, "cp": 1, "micro_batch": 2, "recompute": "selective", "zero": 2}
 
@@ -11,8 +12,9 @@ for training `model` (a planner.SHAPES name or a shape dict) on `gpus` GPUs of `
 sequences of `seq` tokens and `global_batch` sequences a step. Search the layouts with
 `gpucourse.models.planner.plan_parallelism`, which models each plan's memory per GPU and its MFU.
 
-Rules (the grader checks each one itself, with the planner, on every case)
+Rules
 -----
+The grader checks each one itself, with the planner, on every case:
 - dp x tp x pp x cp == gpus, all whole numbers; cp = 1 (every case is 8K tokens or fewer, where Llama 3 used
   no context parallelism); pp at most the model's layers; plan_parallelism must accept the plan.
 - Tensor parallelism stays inside a node: tp divides the node size (costs.SYSTEMS[system]["node_size"]), and

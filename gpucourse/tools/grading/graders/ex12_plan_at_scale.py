@@ -16,7 +16,6 @@ this machine. The one case small enough to run, chapter 09's capstone at world 1
 group the run formed must sit inside one node.
 """
 import functools
-import math
 import numbers
 from pathlib import Path
 
@@ -56,7 +55,7 @@ def plain(value):
         return repr(value)[:80]
     if isinstance(value, numbers.Integral):
         return int(value)
-    return value if isinstance(value, str) else float(value)
+    return value[:80] if isinstance(value, str) else float(value)
 
 
 def run(module, guard, case: str) -> dict:

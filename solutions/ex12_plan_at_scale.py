@@ -1,0 +1,76 @@
+"""Exercise 12: plan a training job at scale.
+
+Task
+----
+Chapter 12 fitted Llama 3 70B on 1,024 H100s with tp 8 and the fewest pipeline stages (planner.smallest_fitting):
+a plan that fits, not the fastest. Write `plan_training(model, gpus, system, seq, global_batch)`: the fastest
+plan that keeps the rules below, as a dict of plan_parallelism's keyword arguments,
+
+    {"dp": 128, "tp": 8, "pp": 1, "cp": 1, "micro_batch": 2, "recompute": "selective", "zero": 2}
+
+for training `model` (a planner.SHAPES name or a shape dict) on `gpus` GPUs of `system` (costs.SYSTEMS) with
+sequences of `seq` tokens and `global_batch` sequences a step. Search the layouts with
+`gpucourse.models.planner.plan_parallelism`, which models each plan's memory per GPU and its MFU.
+
+Rules
+-----
+The grader checks each one itself, with the planner, on every case:
+- dp x tp x pp x cp == gpus, all whole numbers; cp = 1 (every case is 8K tokens or fewer, where Llama 3 used
+  no context parallelism); pp at most the model's layers; plan_parallelism must accept the plan.
+- Tensor parallelism stays inside a node: tp divides the node size (costs.SYSTEMS[system]["node_size"]), and
+  the attention heads (and the key/value heads, or is a multiple of them).
+- The pipeline fills: global_batch / (dp x micro_batch) micro-batches a step, at least pp of them.
+- recompute one of planner.RECOMPUTE; zero 0, 1 or 2 (the planner leaves ZeRO-3's extra all-gathers out of the
+  step time, so it would look free).
+- The plan fits: its modelled peak per GPU is at most the device's memory (80 GB).
+- It is fast: its modelled MFU is at least 90 % of the best MFU over every plan that keeps these rules, which the
+  grader finds itself by trying them all.
+
+Graded by `gpucourse grade ex12`: a 1-rank job calls your function on each case (Llama 3 70B on 1,024 H100s,
+Llama 3 8B on 64, Llama 3 405B on 16,384, a 1.3 B GPT on 8, and chapter 09's capstone on 1,024) and records the
+plans; the grader process judges them with the planner. The capstone's plan is also dry-run for real
+(`gpucourse.dryrun`, its first and last rank at world 1,024): it must run, fit, and keep each TP group in a node.
+The big models cannot be dry-run here (a dry run's tensors are real): for them memory is the planner's model.
+"""
+from gpucourse import costs
+from gpucourse.models import planner
+
+
+def divisors(n: int) -> list[int]:
+    """Every whole number that divides n, smallest first."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_training(model, gpus: int, system: str = "h100-sxm", seq: int = 8192, global_batch: int = 512) -> dict:
+    """The fastest plan (modelled MFU) that keeps the rules and fits: a dict of plan_parallelism's arguments."""
+    ### BEGIN SOLUTION
+    ### HINT: loop over tp (divisors of the node size that split the heads), pp and micro_batch; keep the fitting plan with the highest plan_parallelism(...)["mfu"]
+    shape = planner.shape_of(model)
+    node = costs.SYSTEMS[system]["node_size"]
+    best, best_mfu = None, float("-inf")
+    for tp in divisors(node):
+        if shape["heads"] % tp or shape["kv_heads"] % tp and tp % shape["kv_heads"]:
+            continue  # each tp rank takes whole heads
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if pp > shape["layers"] or global_batch % dp:
+                continue
+            for micro_batch in divisors(global_batch // dp):
+                if global_batch // (dp * micro_batch) < pp:
+                    continue  # fewer micro-batches than stages: the pipeline never fills
+                # ZeRO-2 and selective recomputation save memory at no modelled time; full recomputation runs
+                # the forward again: tried only when the plan does not fit without it.
+                for recompute in ("selective", "full"):
+                    plan = {"dp": dp, "tp": tp, "pp": pp, "cp": 1, "micro_batch": micro_batch,
+                            "recompute": recompute, "zero": 2}
+                    got = planner.plan_parallelism(model, gpus=gpus, seq=seq, global_batch=global_batch,
+                                                   system=system, **plan)
+                    if not got["fits"]:
+                        continue
+                    if got["mfu"] > best_mfu:
+                        best, best_mfu = plan, got["mfu"]
+                    break
+    if best is None:
+        raise ValueError(f"no plan for {gpus} GPUs fits in memory: more GPUs, or a smaller model")
+    return best
+    ### END SOLUTION

@@ -283,7 +283,8 @@ def _read_json(path: Path):
 CSV_FIELDS = ["learner", "exercise", "tests_passed", "tests_total", "score", "max_score"]
 
 
-def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *, progress=print) -> Path:
+def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *, progress=print,
+                seed: int | None = None) -> Path:
     """Grade every learner folder of `submissions`; write one CSV row per learner and exercise.
 
     The class is graded in one pytest run, as one batch (records.Batch): each grading job is launched once for
@@ -316,7 +317,7 @@ def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *,
         listed = [str(f.resolve()) for own in files.values() for f in own.values() if f.is_file()]
         (Path(batch) / BATCH_FILE).write_text(json.dumps({"submissions": listed}))
         reports = grade_targets(exercise, names, [(learner, files[learner]) for learner in learners],
-                                batch=Path(batch))
+                                batch=Path(batch), seed=seed)
     rows = []
     for learner, report in zip(learners, reports):
         (details / f"{learner.name}.json").write_text(json.dumps(report.to_dict(), indent=1))
@@ -338,12 +339,14 @@ def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *,
 # --- command line ------------------------------------------------------------------------------------
 def _cmd_grade(args) -> int:
     """Bad input raises ExerciseError; the CLI (cli.main) prints it as one line and exits 2."""
+    if args.seed is not None and args.seed < 0:
+        raise ExerciseError(f"--seed {args.seed}: give a whole number >= 0")
     if args.class_dir:
         if not args.csv:
             raise ExerciseError("--class needs --csv FILE: where to write the class's grades")
         if args.json or args.gradescope or args.target != "exercises":
             raise ExerciseError("--class grades every learner's folder: leave out --target, --json and --gradescope")
-        details = grade_class(args.exercise, args.class_dir, args.csv)
+        details = grade_class(args.exercise, args.class_dir, args.csv, seed=args.seed)
         print(f"grades: {args.csv}; each learner's details: {details}/")
         return 0
     if args.csv:
@@ -353,8 +356,6 @@ def _cmd_grade(args) -> int:
         if path]
     if len({p.resolve() for p, _ in outputs}) < len(outputs):
         raise ExerciseError("--json and --gradescope name the same file: give two different files")
-    if args.seed is not None and args.seed < 0:
-        raise ExerciseError(f"--seed {args.seed}: give a whole number >= 0")
     names = _resolve(args.exercise)
     files = exercises.check_target(args.target, names)
     print(f"grading {', '.join(names)} on {args.target} (real multi-rank jobs: about a minute)...", flush=True)

@@ -43,7 +43,7 @@ Rules
 - The grader runs 3 ranks with uneven shards and a short time limit; when your code hangs it reports which
   rank was last doing what.
 
-Check your work: `gpucourse grade ex08`.
+Check your work: `gpucourse grade ex08_fix_the_hang`.
 """
 import torch
 import torch.distributed as dist

@@ -1,16 +1,22 @@
-"""Four classic ways to break a collective, one per --mode, for the chapter's debugging section.
+"""Four classic ways to break a collective, one per --mode, for the chapter's debugging section, and a crash.
 
-  mismatch   rank 0 calls all_reduce, the others broadcast: different operations
+  mismatch   at step 1, rank 0 calls all_reduce, the others broadcast: different operations
   skip       at step 2, rank 1 skips the all_reduce every other rank calls ("if nothing to sync: continue")
-  shape      rank 0 all-reduces 4 numbers, the others 8: same operation, different sizes
-  straggler  rank 1 never arrives at the barrier (stuck in its own code); --monitored uses
+  shape      at step 1, rank 0 all-reduces 4 numbers, the others 8: same operation, different sizes
+  straggler  at step 1, rank 1 never arrives at the barrier (stuck in its own code); --monitored uses
              dist.monitored_barrier, which names the rank that did not arrive
+  crash      at step 1, rank 1 kills itself (SIGKILL) once the others are in that step's all_reduce: no
+             exception and no dump, as an out-of-memory kill or a lost node
+
+--rank and --step choose another rank at fault and another step (exercise ex08_read_the_dumps's grader draws them).
 
 Every rank prints what it is about to do before each collective, so the last line of each rank's log
 says where it stopped. Run with TORCH_DISTRIBUTED_DEBUG=DETAIL to have torch check every collective's
 operation and shapes across ranks before running it.
 """
 import argparse
+import os
+import signal
 import time
 from datetime import timedelta
 
@@ -20,14 +26,19 @@ import torch.distributed as dist
 from gpucourse import runtime
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--mode", choices=["mismatch", "skip", "shape", "straggler"], required=True)
+parser.add_argument("--mode", choices=["mismatch", "skip", "shape", "straggler", "crash"], required=True)
 parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--rank", type=int, default=None, help="the rank at fault (default: 0 for mismatch and "
+                    "shape, else 1)")
+parser.add_argument("--step", type=int, default=None, help="the step it strikes at (default: 2 for skip, else 1)")
 parser.add_argument("--monitored", action="store_true", help="straggler: use dist.monitored_barrier")
 parser.add_argument("--collective-timeout", type=float, default=None, help="seconds (runtime.setup(timeout_s=))")
 args = parser.parse_args()
 
 ctx = runtime.setup(timeout_s=args.collective_timeout)
 rank = ctx.rank
+culprit = args.rank if args.rank is not None else 0 if args.mode in ("mismatch", "shape") else 1
+at = args.step if args.step is not None else 2 if args.mode == "skip" else 1
 
 
 def say(text: str) -> None:
@@ -36,19 +47,19 @@ def say(text: str) -> None:
 
 for step in range(args.steps):
     t = torch.full((4,), float(step + 1))
-    if args.mode == "mismatch" and step == 1:
-        op = "all_reduce" if rank == 0 else "broadcast"
+    if args.mode == "mismatch" and step == at:
+        op = "all_reduce" if rank == culprit else "broadcast"
         say(f"step {step}: {op}")
-        dist.all_reduce(t) if rank == 0 else dist.broadcast(t, src=0)
-    elif args.mode == "skip" and step == 2 and rank == 1:
+        dist.all_reduce(t) if rank == culprit else dist.broadcast(t, src=culprit)
+    elif args.mode == "skip" and step == at and rank == culprit:
         say(f"step {step}: skipping the all_reduce")
         continue
-    elif args.mode == "shape" and step == 1:
-        t = torch.ones(4 if rank == 0 else 8)
+    elif args.mode == "shape" and step == at:
+        t = torch.ones(4 if rank == culprit else 8)
         say(f"step {step}: all_reduce of {t.numel()} numbers")
         dist.all_reduce(t)
-    elif args.mode == "straggler" and step == 1:
-        if rank == 1:
+    elif args.mode == "straggler" and step == at:
+        if rank == culprit:
             say(f"step {step}: busy in my own code (no collective)")
             time.sleep(3600)  # a deadlock, an endless loop, a dead disk: the rank never comes back
         say(f"step {step}: {'monitored_barrier' if args.monitored else 'barrier'}")
@@ -56,6 +67,17 @@ for step in range(args.steps):
             dist.monitored_barrier(timeout=timedelta(seconds=5))  # rank 0 checks in every rank, one by one
         else:
             dist.barrier()
+    elif args.mode == "crash" and step == at:
+        store = dist.distributed_c10d._get_default_store()
+        if rank == culprit:  # once every other rank is inside this step's all_reduce
+            say(f"step {step}: about to be killed")
+            while store.add("entered", 0) < ctx.world_size - 1:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+        say(f"step {step}: all_reduce")
+        work = dist.all_reduce(t, async_op=True)
+        store.add("entered", 1)
+        work.wait()
     else:
         say(f"step {step}: all_reduce")
         dist.all_reduce(t)
@@ -63,4 +85,6 @@ for step in range(args.steps):
         say(f"step {step}: got {t[0].item():g} (expected {ctx.world_size * (step + 1)})")
     runtime.log(step=step, total=args.steps)
 say("done")
+if args.mode == "skip" and rank == culprit:
+    os._exit(0)  # gone without a goodbye: destroy_process_group could wait on peers stuck in the skipped collective
 runtime.teardown()

@@ -24,7 +24,7 @@ def runs(tmp_path_factory):
     common = {"nproc": NPROC, "check": False, "timeout": 120, "env": {"OMP_NUM_THREADS": "1"}}
     jobs = {mode: {"script": HANGS, "args": ["--mode", mode], "stall_timeout": 8, "name": f"fr-{mode}", **common}
             for mode in ("mismatch", "skip", "shape", "straggler")}
-    jobs["crash"] = {"script": FAULTS, "args": ["--mode", "crash"], "name": "fr-crash", **common}
+    jobs["crash"] = {"script": HANGS, "args": ["--mode", "crash", "--step", "3"], "name": "fr-crash", **common}
     jobs["rendezvous"] = {"script": FAULTS, "args": ["--mode", "rendezvous"], "name": "fr-rendezvous",
                           **common, "timeout": 30}
     with pytest.MonkeyPatch.context() as env:

@@ -217,6 +217,7 @@ def test_target_checks(tmp_path):
     (["grade", "ex01", "--gradescope", "{tmp}/nodir/results.json"], "the folder {tmp}/nodir does not exist"),
     (["grade", "ex01", "--json", "{tmp}/r.json", "--gradescope", "{tmp}/r.json"], "name the same file"),
     (["grade", "ex01", "--bogus"], "unrecognized arguments: --bogus"),
+    (["grade", "ex08_read_the_dumps", "--seed", "-1"], "--seed -1: give a whole number >= 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     (tmp_path / "keep.txt").write_text("keep me")

@@ -191,6 +191,13 @@ def _load(run_dir: Path, world: int) -> tuple[dict, dict]:
     return dumps, stacks
 
 
+def read_dumps(run_dir: Path, world: int) -> dict[int, dict | None]:
+    """{rank: its Flight Recorder dump as torch wrote it (unpickled), or None where it left none}: what exercise
+    ex08_read_the_dumps's `diagnose` reads."""
+    dumps, _ = _load(Path(run_dir), world)
+    return {rank: dumps.get(rank) for rank in range(world)}
+
+
 def _collectives(dump: dict) -> dict[int, dict]:
     """{sequence id: entry} of the default process group's collectives (point-to-point left out)."""
     out = {}

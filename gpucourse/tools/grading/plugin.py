@@ -25,6 +25,7 @@ RESULTS_ENV = "GPUCOURSE_GRADE_RESULTS"
 TIMING_ENV = "GPUCOURSE_GRADE_TIMING"  # "score" (default) or "report"
 BATCH_ENV = "GPUCOURSE_GRADE_BATCH"  # gradings that share their jobs' launches (records.Batch)
 BATCH_FILE = "batch.json"  # in the batch folder: {"submissions": [absolute paths]}
+SEED_ENV = "GPUCOURSE_GRADE_SEED"  # a grader that draws its cases at random (ex08_read_the_dumps) draws these
 TARGETS_ENV = "GPUCOURSE_GRADE_TARGETS"  # several targets in one session, a JSON list (runner.grade_targets)
 SUB_ID = "gpucourse-sub{}"  # the id of target number n in a test's name; taken out again in the outcomes
 _SUB_IN_ID = re.compile(r"gpucourse-sub\d+-?|-?gpucourse-sub\d+")

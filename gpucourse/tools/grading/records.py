@@ -180,14 +180,26 @@ class Batch:
         """The run of this job for the whole batch: launched by the first grading that needs it (start()), read
         back by every other. A lock per job keeps two gradings from launching the same one."""
         key = hashlib.sha1(json.dumps([str(job_file), world, args]).encode()).hexdigest()[:16]
+        launched = []
+
+        def launch_it() -> dict:
+            launched.append(start())
+            return {"run_dir": str(launched[0].run_dir)}
+
+        found = self.once(key, launch_it)
+        return launched[0] if launched else load_run(found["run_dir"])
+
+    def once(self, key: str, make) -> dict:
+        """make()'s value (a dict of JSON values) for the whole batch: computed by the first grading that asks for
+        `key`, read back by every other. A lock per key keeps two gradings from computing the same one."""
         with open(self.folder / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             done = self.folder / f"{key}.json"
             if done.exists():
-                return load_run(json.loads(done.read_text())["run_dir"])
-            result = start()
-            done.write_text(json.dumps({"run_dir": str(result.run_dir)}))
-            return result
+                return json.loads(done.read_text())
+            value = make()
+            done.write_text(json.dumps(value))
+            return value
 
 
 def telling(rec: dict) -> int:

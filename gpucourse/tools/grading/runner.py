@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .. import exercises
 from ..exercises import ExerciseError
-from .plugin import BATCH_ENV, BATCH_FILE, RESULTS_ENV, TARGET_ENV, TARGETS_ENV
+from .plugin import BATCH_ENV, BATCH_FILE, RESULTS_ENV, SEED_ENV, TARGET_ENV, TARGETS_ENV
 
 GRADE_TIMEOUT_S = 900  # the whole pytest run; each job inside has its own, much shorter, limits
 REASON_CHARS = 300
@@ -173,8 +173,10 @@ def _new_file(option: str, path) -> Path:
     return path
 
 
-def grade(exercise: str, target: str | Path = "exercises", *, timeout: float = GRADE_TIMEOUT_S) -> GradeReport:
+def grade(exercise: str, target: str | Path = "exercises", *, timeout: float = GRADE_TIMEOUT_S,
+          seed: int | None = None) -> GradeReport:
     """Grade `exercise` ('ex01' or a full name) on `target`: 'exercises' (default), 'solutions', a folder or a file.
+    `seed`: the draw of a grader whose cases are random (its report names the seed it drew; default: a new one).
 
     Raises ExerciseError for an unknown exercise or a target that cannot be graded (missing, or not
     defining the exercise's functions). A submission that fails in any other way is graded.
@@ -184,18 +186,20 @@ def grade(exercise: str, target: str | Path = "exercises", *, timeout: float = G
         raise ExerciseError(f"target must be 'exercises', 'solutions' or a path, not {target!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ExerciseError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ExerciseError(f"seed must be a whole number >= 0, not {seed!r}")
     files = exercises.check_target(target, names)
-    return run_graders(exercise, names, target, files, timeout=timeout)
+    return run_graders(exercise, names, target, files, timeout=timeout, seed=seed)
 
 
 def run_graders(exercise: str, names: list[str], target, files: dict[str, Path], *,
-                timeout: float = GRADE_TIMEOUT_S, batch: Path | None = None) -> GradeReport:
+                timeout: float = GRADE_TIMEOUT_S, batch: Path | None = None, seed: int | None = None) -> GradeReport:
     """Run the graders of `names` on `target` and read back every test's outcome as a GradeReport."""
-    return grade_targets(exercise, names, [(target, files)], timeout=timeout, batch=batch)[0]
+    return grade_targets(exercise, names, [(target, files)], timeout=timeout, batch=batch, seed=seed)[0]
 
 
 def grade_targets(exercise: str, names: list[str], targets: list[tuple], *, timeout: float = GRADE_TIMEOUT_S,
-                  batch: Path | None = None) -> list[GradeReport]:
+                  batch: Path | None = None, seed: int | None = None) -> list[GradeReport]:
     """The graders of `names` on each of `targets`, [(target, {name: file})], in one pytest run (the plugin runs
     every test once per target): one GradeReport per target. `batch`: a folder of gradings that share their jobs'
     launches (records.Batch), so that the targets also share one launch per job."""
@@ -206,6 +210,8 @@ def grade_targets(exercise: str, names: list[str], targets: list[tuple], *, time
     env = {TARGET_ENV: listed[0]} if len(listed) == 1 else {TARGETS_ENV: json.dumps(listed)}
     if batch:
         env[BATCH_ENV] = str(batch)
+    if seed is not None:
+        env[SEED_ENV] = str(seed)
     start = time.monotonic()
     data, output = run_pytest(graders, env, timeout if batch or len(listed) == 1 else timeout * len(listed))
     elapsed = time.monotonic() - start
@@ -277,7 +283,8 @@ def _read_json(path: Path):
 CSV_FIELDS = ["learner", "exercise", "tests_passed", "tests_total", "score", "max_score"]
 
 
-def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *, progress=print) -> Path:
+def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *, progress=print,
+                seed: int | None = None) -> Path:
     """Grade every learner folder of `submissions`; write one CSV row per learner and exercise.
 
     The class is graded in one pytest run, as one batch (records.Batch): each grading job is launched once for
@@ -310,7 +317,7 @@ def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *,
         listed = [str(f.resolve()) for own in files.values() for f in own.values() if f.is_file()]
         (Path(batch) / BATCH_FILE).write_text(json.dumps({"submissions": listed}))
         reports = grade_targets(exercise, names, [(learner, files[learner]) for learner in learners],
-                                batch=Path(batch))
+                                batch=Path(batch), seed=seed)
     rows = []
     for learner, report in zip(learners, reports):
         (details / f"{learner.name}.json").write_text(json.dumps(report.to_dict(), indent=1))
@@ -332,12 +339,14 @@ def grade_class(exercise: str, submissions: str | Path, csv_path: str | Path, *,
 # --- command line ------------------------------------------------------------------------------------
 def _cmd_grade(args) -> int:
     """Bad input raises ExerciseError; the CLI (cli.main) prints it as one line and exits 2."""
+    if args.seed is not None and args.seed < 0:
+        raise ExerciseError(f"--seed {args.seed}: give a whole number >= 0")
     if args.class_dir:
         if not args.csv:
             raise ExerciseError("--class needs --csv FILE: where to write the class's grades")
         if args.json or args.gradescope or args.target != "exercises":
             raise ExerciseError("--class grades every learner's folder: leave out --target, --json and --gradescope")
-        details = grade_class(args.exercise, args.class_dir, args.csv)
+        details = grade_class(args.exercise, args.class_dir, args.csv, seed=args.seed)
         print(f"grades: {args.csv}; each learner's details: {details}/")
         return 0
     if args.csv:
@@ -350,7 +359,7 @@ def _cmd_grade(args) -> int:
     names = _resolve(args.exercise)
     files = exercises.check_target(args.target, names)
     print(f"grading {', '.join(names)} on {args.target} (real multi-rank jobs: about a minute)...", flush=True)
-    report = run_graders(args.exercise, names, args.target, files)
+    report = run_graders(args.exercise, names, args.target, files, seed=args.seed)
     print(report.table())
     for path, data in outputs:
         with open(path, "x") as f:  # "x": never over a file that appeared while grading
@@ -385,6 +394,8 @@ def add_cli(subparsers) -> None:
     g.add_argument("--class", dest="class_dir", metavar="SUBMISSIONS_DIR",
                    help="grade one folder per learner in SUBMISSIONS_DIR (with --csv)")
     g.add_argument("--csv", metavar="FILE", help="with --class: one row per learner and exercise")
+    g.add_argument("--seed", type=int, metavar="N", help="replay the draw of a grader whose cases are random "
+                   "(ex08_read_the_dumps: its report names the seed it drew)")
     g.set_defaults(func=_cmd_grade)
     m = subparsers.add_parser("make-exercises", help="regenerate exercises/ from solutions/")
     m.add_argument("--check", action="store_true", help="change nothing; exit 1 if exercises/ is out of date")

@@ -1,4 +1,4 @@
-"""Grader of ex08: fix a training loop that hangs (run it with `gpucourse grade ex08`).
+"""Grader of ex08: fix a training loop that hangs (run it with `gpucourse grade ex08_fix_the_hang`).
 
 One real 3-rank job (ex08_fix_the_hang.py, through gpucourse.launch) with uneven shards: 7, 4 and 5 training
 batches, 2, 3 and 0 evaluation batches. The tests read its records and the parameters it saved, and compare them

@@ -17,7 +17,9 @@ the collective's wait releases the GIL) and when an exception ends it (runtime's
     crash       a rank died (a signal, an exit) without entering it, or in the middle of it
     order       at the same sequence number the ranks called different collectives
     shape       the same collective with different sizes (in the dumps, or in gloo's abort of the rank that
-                received a message of another size: that rank leaves no dump)
+                received a message of another size: that rank leaves no dump). A smaller call in a rank's LAST
+                collective can complete on gloo; the rank then ends and takes its dump with it, and the fault
+                reads as missing (the evidence says both readings)
     rendezvous  no rank got as far as a process group (a wrong address, port or world size)
 and "unknown" when the dumps show none of these (every rank in the same collective, or no dump at all). Only the
 default process group is read: a hang inside a subgroup (FSDP's, TP's) is not diagnosed yet.
@@ -280,8 +282,12 @@ def diagnose(run_dir: str | Path, world: int | None = None, exits: dict[int, int
             words = _last_words(run_dir, rank)
             # gloo aborts the process (no Python exception, so no dump) when a peer's message has another size
             kinds.add("shape" if died and GLOO_SIZE_MISMATCH in words else "crash" if died else "missing")
-            evidence.append(f"rank {rank}: left no dump" + (f"; it died (exit code {code}): {words}" if died else
-                                                           "; it had ended, or never answered"))
+            # A rank that ended normally either skipped the collective or made a smaller call that gloo let
+            # complete (a shape fault in its last collective): its dump went with it, so both read as missing.
+            evidence.append(f"rank {rank}: left no dump" + (
+                f"; it died (exit code {code}): {words}" if died else
+                "; it finished while the others waited: it skipped the collective, or its own call was smaller "
+                "and completed" if rank in finished else "; it had ended, or never answered"))
             continue
         in_dist, where = _where(stacks.get(rank))
         mine = seqs[rank].get(last[rank])

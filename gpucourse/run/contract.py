@@ -54,6 +54,9 @@ STORE_PREFIX_ENV = "GPUCOURSE_STORE_PREFIX"
 # data moved); COUNT_FILE_ENV, in a dry run or a real one, makes each rank count its steps' collectives, memory
 # and FLOPs and write them to that path ("{rank}" in it becomes the rank) when the script ends.
 DRYRUN_ENV = "GPUCOURSE_DRYRUN"
+# With DRYRUN_ENV, FAKE_TENSORS_ENV=1 makes every tensor the rank makes after setup() a FakeTensor: shapes, dtypes
+# and devices, no storage (run/runtime.py's _enter_fake_tensors).
+FAKE_TENSORS_ENV = "GPUCOURSE_FAKE_TENSORS"
 COUNT_FILE_ENV = "GPUCOURSE_COUNT_FILE"
 
 MANIFEST = "manifest.json"

@@ -1,6 +1,8 @@
 """The cluster on a laptop: a script's own code run as rank r of a world of N, with a fake process group.
 
     gpucourse dryrun scripts/09_gpt_2d.py --world 1024 -- --dp 256 --tp 4 --batch 256
+    gpucourse dryrun scripts/09_gpt_2d.py --world 1024 --fake-tensors -- --dp 128 --tp 8 --batch 128 --d-model 4096 \
+        --layers 32 --heads 32 --context 2048 --steps 2 --eval-batches 0 --sample 0    # 7 B-class, no memory behind
     report = gpucourse.dryrun("scripts/09_gpt_2d.py", world=1024, args=["--dp", "256", "--tp", "4", "--batch", "256"])
     costs.dryrun_step_time(report["ranks"][0])       # a step time and MFU on a named system: modelled
 
@@ -8,8 +10,20 @@ Each asked rank (default: the first and the last) runs the script in a process o
 environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE = min(8, N), GROUP_RANK, ...) and DRYRUN_ENV set:
 `runtime.setup()` then joins torch's fake process group (`dist.init_process_group("fake", store=FakeStore())`),
 where every collective returns at once and moves nothing, and counts (`StepCounter`) instead of talking to peers.
-Tensors stay real, at the sizes the script asks for: the dry run shows what rank r would do at world N, not a
-model bigger than this machine's memory.
+By default tensors stay real, at the sizes the script asks for. With `--fake-tensors` (fake_tensors=True) every
+tensor the rank makes from runtime.setup() on is a FakeTensor (torch's FakeTensorMode: shape, dtype, device, no
+storage), the model's parameters included, so a model larger than this machine (a 7 B model's fp32 training states
+are 103 GB) is dry-run in a few hundred MB. The counts are the same as with real tensors (tests/test_dryrun.py:
+comms, FLOPs, model states and the params/grads/optimizer parts equal; the activations part, and so the peak, can
+differ where an op's real CPU kernel makes a tensor its fake implementation does not: 8-16 B in the scripts tested,
+not traced to the op; F.mse_loss's 124 B of 672 on a 4 x 8 batch). What makes it work (prepare_fake_tensors): device
+meshes are built outside the mode (their rank tables are read on the host: inside the mode `nonzero`/`.tolist()`
+raise); parallelize_module and fully_shard run inside it, on the fake parameters. What a script must not do under
+it: read a value (.item(), .tolist(), print(tensor), `if tensor:`): the rank stops with one line naming the script's
+line; values go through runtime.value() (None in any dry run), and data is indexed on tensors, not on host numbers
+(09_gpt_2d.py's CharData.batch). Not the default, at any size: the size that matters is the model's, which the
+driver does not know before the script runs, and scripts that read values outside runtime.value() run with real
+tensors but stop with fake ones; a real-tensor rank that runs out of memory says to use --fake-tensors.
 
 What is counted, per rank, for ONE step, the last the script logged:
   the step boundary: `runtime.log(step=s)` closes step s. Step s is everything the rank did after the last
@@ -45,7 +59,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .contract import COUNT_FILE_ENV, DRYRUN_ENV, RUN_DIR_ENV
+from .contract import COUNT_FILE_ENV, DRYRUN_ENV, FAKE_TENSORS_ENV, RUN_DIR_ENV
 
 MAX_WORLD = 1_048_576  # 2^20 ranks: beyond any cluster built so far, and the fake group's own tables stay small
 NODE_SIZE = 8  # LOCAL_WORLD_SIZE of a simulated node: one process per GPU of an 8-GPU node
@@ -60,6 +74,95 @@ class DryRunError(ValueError):
 
 class DryRunFailed(RuntimeError):
     """The script raised in a simulated rank: names the rank, the exception and the script's line."""
+
+
+class NoValueError(RuntimeError):
+    """A fake-tensor dry run was asked for a tensor's values (print(tensor), .item(), .tolist(), `if tensor:`)."""
+
+
+NO_VALUE = ("a fake-tensor dry run has no values: the script reads or prints one (.item(), .tolist(), print(tensor), "
+            "`if tensor`); read values through runtime.value() (None in a dry run), or leave the read out when "
+            "runtime.fake_tensors()")
+
+
+# --- in the rank: fake tensors (--fake-tensors) ------------------------------------------------------------------
+def _outside_fake_mode(fn):
+    """fn, run with the fake mode set aside: a device mesh lists its ranks in a real (small) tensor."""
+    def call(*args, **kwargs):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+    call.__name__, call.__qualname__, call.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    call._gpucourse_outside_fake = True
+    return call
+
+
+def prepare_fake_tensors() -> None:
+    """Make torch fit for a rank whose tensors are fake: called before the script runs (the rank's entry point,
+    `_run_rank`) and again by runtime.setup() before it enters the FakeTensorMode; idempotent.
+
+    - Device meshes are built outside the mode: init_device_mesh and every DeviceMesh method (slicing, flattening,
+      concatenating for FSDP x TP) compute on a tensor of rank numbers, which inside the mode would have no values
+      (`nonzero`, `.tolist()` raise). Meshes are tiny (one int per rank); parallelize_module and fully_shard then run
+      inside the mode, on the fake parameters, as they would on real ones.
+    - `module.to(device)` where nothing changes is the module itself: torch (2.13) cannot swap a parameter made in a
+      FakeTensorMode (it holds a weak reference), and a move to where a tensor already is changes nothing anyway.
+    - str(fake tensor) (print, f-strings) raises NoValueError instead of printing a value that does not exist.
+    """
+    import torch
+    import torch.distributed.device_mesh as device_mesh
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if getattr(device_mesh.init_device_mesh, "_gpucourse_outside_fake", False):
+        return
+    device_mesh.init_device_mesh = _outside_fake_mode(device_mesh.init_device_mesh)
+    if hasattr(torch.distributed, "init_device_mesh"):
+        torch.distributed.init_device_mesh = device_mesh.init_device_mesh
+    mesh = device_mesh.DeviceMesh
+    for name, attr in list(vars(mesh).items()):
+        if isinstance(attr, staticmethod):
+            setattr(mesh, name, staticmethod(_outside_fake_mode(attr.__func__)))
+        elif callable(attr) and not isinstance(attr, type) and name not in ("__repr__", "__hash__", "__eq__"):
+            setattr(mesh, name, _outside_fake_mode(attr))
+    to = torch.nn.Module.to
+
+    def module_to(self, *args, **kwargs):
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        if all((device is None or t.device == device)
+               and (dtype is None or t.dtype == dtype or not t.is_floating_point())  # .to(dtype) casts floats only
+               for t in (*self.parameters(), *self.buffers())):
+            return self
+        return to(self, *args, **kwargs)
+
+    def no_value(self):
+        raise NoValueError(NO_VALUE)
+
+    torch.nn.Module.to = module_to
+    FakeTensor.__str__ = no_value
+
+
+def enter_fake_tensors():
+    """runtime.setup()'s hook in a --fake-tensors dry run: from here on every tensor the rank makes is a FakeTensor
+    (shape, dtype, device; no storage). Real tensors made before (module-level constants) mix in as fakes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    prepare_fake_tensors()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode.__enter__()
+    return mode
+
+
+def _run_rank() -> None:
+    """The entry point of a --fake-tensors rank: `python -c ... SCRIPT ARGS` runs SCRIPT as `python SCRIPT ARGS`
+    would, after prepare_fake_tensors() (a script binds init_device_mesh by name on import, before setup())."""
+    import runpy
+
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path[0] = str(Path(script).resolve().parent)
+    prepare_fake_tensors()
+    runpy.run_path(script, run_name="__main__")
 
 
 # --- in the rank: counting one step ----------------------------------------------------------------------------
@@ -325,16 +428,21 @@ def _failure(rank: int, work: Path, path: Path, code: int) -> Exception:
     last = lines[-1].strip() if lines else f"exit code {code}"
     if code == 2 and "error:" in last:  # argparse's usage error
         return DryRunError(f"rank {rank}: {last}")
+    if "DataDependentOutputException" in last or "NoValueError" in last:  # a value read from a fake tensor
+        last = NO_VALUE
+    elif code == -signal.SIGKILL or "MemoryError" in last or "can't allocate memory" in last:
+        last += " (out of memory? --fake-tensors dry-runs a model without its memory)"
     message = f"rank {rank} of the dry run failed{at}: {last}"
     return DryRunError(message) if last.startswith("ValueError") else DryRunFailed(message)
 
 
 def dryrun(script, *, world: int, ranks=None, args=(), timeout: float = 600.0, json_path=None,
-           parallel: int | None = None) -> dict:
+           parallel: int | None = None, fake_tensors: bool = False) -> dict:
     """Run `script` as each of `ranks` (default: the first and the last) of a world of `world` ranks, with a fake
     process group, and return {"world", "ranks": [each rank's report], "step_boundary", ...} (module docstring).
 
     args: the script's own arguments. json_path: also write the report there (only once every rank succeeded).
+    fake_tensors: the rank's tensors are FakeTensors from runtime.setup() on (module docstring).
     Raises DryRunError for bad input (a one-line message), DryRunFailed when the script fails in a rank."""
     path, world, ranks = _check(script, world, ranks)
     args = [str(a) for a in args]
@@ -349,10 +457,11 @@ def dryrun(script, *, world: int, ranks=None, args=(), timeout: float = 600.0, j
             while pending and len(running) < parallel:
                 r = pending.pop(0)
                 env = {**os.environ, **rank_env(r, world), DRYRUN_ENV: "1", RUN_DIR_ENV: str(work / "run"),
-                       COUNT_FILE_ENV: str(work / "rank{rank}.json"), "OMP_NUM_THREADS": "1",
-                       "PYTHONUNBUFFERED": "1"}
+                       COUNT_FILE_ENV: str(work / "rank{rank}.json"), FAKE_TENSORS_ENV: "1" if fake_tensors else "0",
+                       "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+                entry = ["-c", "from gpucourse.run.dryrun import _run_rank; _run_rank()"] if fake_tensors else []
                 with open(work / f"rank{r}.stdout", "wb") as out, open(work / f"rank{r}.stderr", "wb") as err:
-                    running[r] = subprocess.Popen([sys.executable, str(path), *args], env=env, stdout=out,
+                    running[r] = subprocess.Popen([sys.executable, *entry, str(path), *args], env=env, stdout=out,
                                                   stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
             time.sleep(0.05)
             for r, proc in list(running.items()):
@@ -373,7 +482,8 @@ def dryrun(script, *, world: int, ranks=None, args=(), timeout: float = 600.0, j
         for proc in running.values():
             _kill(proc)
         shutil.rmtree(work, ignore_errors=True)
-    result = {"world": world, "script": str(path), "args": args, "step_boundary": STEP_BOUNDARY,
+    result = {"world": world, "script": str(path), "args": args, "fake_tensors": fake_tensors,
+              "step_boundary": STEP_BOUNDARY,
               "ranks": [reports[r] for r in ranks]}
     if json_path is not None:
         out = Path(json_path)

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from . import forensics, hardware
-from .contract import (BACKEND_ENV, COUNT_FILE_ENV, DRYRUN_ENV, EVENT_SETUP, EVENT_TEARDOWN, RUN_DIR_ENV,
-                       STORE_PREFIX_ENV, metrics_file, trace_file)
+from .contract import (BACKEND_ENV, COUNT_FILE_ENV, DRYRUN_ENV, EVENT_SETUP, EVENT_TEARDOWN, FAKE_TENSORS_ENV,
+                       RUN_DIR_ENV, STORE_PREFIX_ENV, metrics_file, trace_file)
 from .paths import runs_root, slug
 
 
@@ -58,11 +58,18 @@ class Context:
 _ctx: Context | None = None
 _metrics_file = None
 _counter = None  # dryrun.StepCounter, when $GPUCOURSE_COUNT_FILE asks this rank to count its steps
+_fake_mode = None  # the FakeTensorMode of a --fake-tensors dry run, from setup() to teardown()
 
 
 def dry_run() -> bool:
     """True in a `gpucourse dryrun` rank: the process group is fake, collectives move nothing, values mean nothing."""
     return os.environ.get(DRYRUN_ENV) == "1"
+
+
+def fake_tensors() -> bool:
+    """True in a dry run with fake tensors (`gpucourse dryrun --fake-tensors`): from setup() on, tensors have shapes
+    and no storage, so no value can be read (value() gives None; .item() or print(tensor) stop the rank)."""
+    return dry_run() and os.environ.get(FAKE_TENSORS_ENV) == "1"
 
 
 def value(tensor) -> float | None:
@@ -211,7 +218,7 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
     tensors ("writev ... Bad address") and FSDP2's full_tensor() died of SIGSEGV. Scripts that need those
     pass False.
     """
-    global _ctx
+    global _ctx, _fake_mode
     if _ctx is not None:
         return _ctx
     if "RANK" not in os.environ:
@@ -249,6 +256,10 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
         dist.init_process_group(backend, **kwargs)
     if seed is not None:
         seed_everything(seed + (rank if seed_per_rank else 0))
+    if fake_tensors() and _fake_mode is None:  # before the counter: its modes then see the fake tensors' ops
+        from .dryrun import enter_fake_tensors
+
+        _fake_mode = enter_fake_tensors()  # after the process group and seeds; the script's model comes after it
     _start_counting(rank, world_size)
     run_dir = default_run_dir()
     if not dry_run():
@@ -305,6 +316,8 @@ def _write_record(record: dict) -> None:
 
 
 def _plain(value):
+    if isinstance(value, torch.Tensor) and fake_tensors():  # a fake tensor has no value to log
+        return None
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else value.tolist()
     return value
@@ -351,9 +364,12 @@ def teardown() -> None:
     dies after it (gloo can abort at interpreter exit) has left complete results, and the launcher's
     report says so (result.py) instead of blaming the run's results.
     """
-    global _ctx, _metrics_file
+    global _ctx, _metrics_file, _fake_mode
     if _counter is not None:
         _counter.finish()
+    if _fake_mode is not None:
+        _fake_mode.__exit__(None, None, None)
+        _fake_mode = None
     if _ctx is not None:
         _write_record({"event": EVENT_TEARDOWN})
     if _metrics_file is not None:

@@ -99,7 +99,7 @@ def _dryrun(args) -> int:
         raise UsageError(f"--json {args.json}: give a file name in a folder that exists")
     try:
         result = dryrun(args.script, world=args.world, ranks=args.ranks, args=args.script_args,
-                        timeout=args.timeout)
+                        timeout=args.timeout, fake_tensors=args.fake_tensors)
     except DryRunFailed as err:
         print(f"gpucourse dryrun: {err}", file=sys.stderr)
         return 1
@@ -183,12 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_diagnose)
 
     p = sub.add_parser("dryrun", help="run a script as rank r of a world of N, with a fake process group",
-                       usage="gpucourse dryrun SCRIPT --world N [--rank R]... [--json F] [-- SCRIPT ARGS]")
+                       usage="gpucourse dryrun SCRIPT --world N [--rank R]... [--fake-tensors] [--json F] "
+                             "[-- SCRIPT ARGS]")
     p.add_argument("script")
     p.add_argument("--world", type=int, required=True, help="ranks in the simulated job (1 to 1,048,576)")
     p.add_argument("--rank", type=int, action="append", dest="ranks",
                    help="a rank to simulate (repeat for several; default: the first and the last)")
     p.add_argument("--json", help="also write the report to this file")
+    p.add_argument("--fake-tensors", action="store_true",
+                   help="the rank's tensors have shapes and no storage: a model larger than this machine's memory")
     p.add_argument("--system", default="h100-sxm", help="the system the step time is modelled on (default h100-sxm)")
     p.add_argument("--timeout", type=positive_seconds, default=600.0, help="stop after S seconds (default 600)")
     p.set_defaults(func=_dryrun)

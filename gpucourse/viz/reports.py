@@ -10,8 +10,9 @@ def dryrun_text(result: dict) -> str:
     """Per simulated rank: the step's memory peak and parts, FLOPs, what the script assumed (ASSUMED), the
     modelled step time where the result has one ("predicted", labelled MODELLED), and every collective with its
     group, calls and bytes."""
-    lines = [f"dry run of {Path(result['script']).name} at world {result['world']:,} (fake process group: memory, "
-             "FLOPs and bytes counted, not measured; a step time, where shown, is modelled)"]
+    tensors = "; fake tensors: no storage behind them" if result.get("fake_tensors") else ""
+    lines = [f"dry run of {Path(result['script']).name} at world {result['world']:,} (fake process group{tensors}: "
+             "memory, FLOPs and bytes counted, not measured; a step time, where shown, is modelled)"]
     for r in result["ranks"]:
         parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in r["memory"].items())
         lines.append(f"rank {r['rank']}, step {r['step']}: peak {human_bytes(r['peak_bytes'])} ({parts}); "

@@ -186,7 +186,7 @@ def described(plan: dict) -> str:
 
 
 def tp_problem(case, plan, got):
-    s, tp, node = planner.shape_of(CASES[case][0]), plan["tp"], node_size(case)
+    tp, node = plan["tp"], node_size(case)
     if node % tp:
         return f"tp={tp} does not divide the node's {node} GPUs: its all-reduces, every layer, cross nodes"
     return None  # the heads: plan_parallelism refuses a tp that splits one (layout_problem)

@@ -16,6 +16,10 @@ mode are timed and logged (mode, step_ms, forward_ms, backward_ms, samples_per_s
 backward is compute alone, the others' include the all-reduces it waits for). Then, unless --profile-steps 0,
 each mode profiles a few more steps with runtime.profile: traces/rank<r>.json, or traces/<mode>-rank<r>.json with
 --compare. The first record holds the model's size and DDP's buckets.
+
+    gpucourse dryrun scripts/03_ddp_train.py --world 1024 -- --steps 1 --warmup 2 --profile-steps 0
+runs it as ranks 0 and 1023 of 1,024 with a fake process group: the last warm-up step's all-reduces (one per
+bucket, over all 1,024 ranks), memory and FLOPs counted, values read as None.
 """
 import argparse
 import contextlib

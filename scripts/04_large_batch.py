@@ -13,6 +13,10 @@ rank; each rank trains on its own shard (DistributedSampler). The records, --eva
 epoch, opt_step, lr, the loss of every step since the last record (averaged over the global batch),
 test loss and accuracy (the whole test set, split over the ranks and summed). Rank 0 saves the weights
 at the end of every epoch (run_dir/model-<rule>-epoch<e>.pt).
+
+    gpucourse dryrun scripts/04_large_batch.py --world 1024 -- --rules linear --n-train 65536 --n-test 1024
+runs it as ranks 0 and 1023 of 1,024 with a fake process group (each rank needs --n-train / N >= --batch: a
+full batch a step): collectives, memory and FLOPs counted, values read as None.
 """
 import argparse
 import time
@@ -82,6 +86,9 @@ def train(rule: str, args, data, schedule, ctx, done_before: int, total: int) ->
     loader = DataLoader(train_set, batch_size=args.batch, sampler=sampler, drop_last=True)
     test_loader = DataLoader(test_set, batch_size=1024, sampler=DistributedSampler(test_set, shuffle=False))
     steps_per_epoch = len(loader)
+    if steps_per_epoch == 0:
+        raise SystemExit(f"--n-train {len(train_set)} on {ctx.world_size} ranks leaves each fewer than one batch of "
+                         f"{args.batch}: use --n-train >= {ctx.world_size * args.batch}")
     warmup_steps = round(args.warmup_epochs * steps_per_epoch) if rule == "warmup" else 0
     opt = torch.optim.SGD(model.parameters(), lr=target_lr if rule == "linear" else args.base_lr,
                           momentum=args.momentum)

@@ -18,6 +18,10 @@ The two mistakes:
   --drop-loader-state  resume the model and optimizer but not the loader: it starts again at sample 0
   --torch-save         also save each rank's sharded state dict with a plain torch.save (rankN.pt); with
                        --resume-from, load that instead of DCP's checkpoint
+
+    gpucourse dryrun scripts/08_reshard.py --world 1024 -- --layout fsdp-tp --steps 2 --batch 1024 --samples 2048
+runs it as ranks 0 and 1023 of 1,024 (FSDP over 512 x TP 2) with a fake process group; no checkpoint is written
+at that size unless --save-at asks (DCP then writes each rank's shards for real).
 """
 import argparse
 from pathlib import Path

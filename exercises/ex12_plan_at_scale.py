@@ -32,7 +32,8 @@ Graded by `gpucourse grade ex12`: a 1-rank job calls your function on each case 
 Llama 3 8B on 64, Llama 3 405B on 16,384, a 1.3 B GPT on 8, and chapter 09's capstone on 1,024) and records the
 plans; the grader process judges them with the planner. The capstone's plan is also dry-run for real
 (`gpucourse.dryrun`, its first and last rank at world 1,024): it must run, fit, and keep each TP group in a node.
-The big models cannot be dry-run here (a dry run's tensors are real): for them memory is the planner's model.
+For the big models memory is the planner's model: a fake-tensor dry run of each candidate would take minutes
+(benchmarks/dryrun_scale.py), too long for a grading.
 """
 from gpucourse import costs
 from gpucourse.models import planner

@@ -10,8 +10,8 @@ judges the plan with the course's planner (gpucourse.models.planner.plan_paralle
 exercise is checked here, per case, and the best modelled MFU a plan can reach under those rules is found here
 by trying every layout (`best_plan`), so nothing the submission does can reach the verdict.
 
-Memory is the planner's model for the big models: a dry run's tensors are real, and a 70 B model does not fit on
-this machine. The one case small enough to run, chapter 09's capstone at world 1,024, is also dry-run for real
+Memory is the planner's model for the big models: a real-tensor dry run of a 70 B model does not fit on this
+machine, and a fake-tensor one takes minutes (benchmarks/dryrun_scale.py), too long for a grading. The one case small enough to run, chapter 09's capstone at world 1,024, is also dry-run for real
 (gpucourse.dryrun, its first and its last rank, about 5 s): the counted peak must fit and every tensor-parallel
 group the run formed must sit inside one node.
 """

@@ -601,12 +601,15 @@ def test_scaling_simulator_follows_its_sliders(lab, browser):
     def shown() -> tuple[str, str]:
         return summary.inner_text(), box.locator("img").get_attribute("src")
 
-    def settled() -> tuple[dict, tuple[str, str]]:
-        """The kernel's values once the summary on the page is the model's for them (a readiness wait)."""
+    def settled(dragged=None) -> tuple[dict, tuple[str, str]]:
+        """The kernel's values once the summary on the page is the model's for them (a readiness wait). After a
+        drag, also once the kernel holds the value the handle was dropped at (its readout): a drag sends values
+        on the way, and the summary matches each of them in turn."""
         for _ in range(120):
             state = json.loads(kernel_eval(page, "simulator.ipynb", SIMULATOR_STATE))
             text = shown()[0]
-            if all(part in text for part in modelled_summary(state)):
+            dropped = dragged is None or dragged[0].locator(".widget-readout").inner_text() == f"{state[dragged[1]]:.2f}"
+            if dropped and all(part in text for part in modelled_summary(state)):
                 return state, shown()
             time.sleep(0.5)
         pytest.fail(f"the summary {text!r} never matched the model for {state}: {modelled_summary(state)}")
@@ -653,7 +656,7 @@ def test_scaling_simulator_follows_its_sliders(lab, browser):
             except sync_api.TimeoutError:
                 save_shot(box, f"stuck-{name}")
                 pytest.fail(f"{key} on the {label!r} slider did not change the {what} within 60 s")
-        new_state, after = settled()
+        new_state, after = settled(None if isinstance(key, str) else (slider, name))
         assert new_state[name] != state[name], f"{key} on {label!r} did not change {name}: {state[name]}"
         changed = sorted(k for k in state if new_state[k] != state[k])
         assert set(changed) <= {name, "compute_ms"}, (label, changed)  # compute follows the parameter count only

@@ -1,11 +1,12 @@
 """`gpucourse dryrun`: a script as rank r of a world of N with a fake process group, counted in the rank.
 
-True at small scale: at world 2 the dry run's calls and bytes per process group, its model-state bytes, memory
-peak and FLOPs equal what the same script records in a real gloo job (the same counting, run/comm_recorder.py,
+True at small scale: at worlds 2 and 4 the dry run's calls and bytes per process group, its model-state bytes and
+FLOPs equal what the same script records in a real gloo job (the same counting, run/comm_recorder.py,
 turned on by COUNT_FILE_ENV), and model states equal costs.zero_memory_bytes. Then the capstone at world 1,024
 (smoke sizes), and bad input: one line, exit 2, nothing on disk lost.
 """
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -37,13 +38,22 @@ SMOKE = {CAPSTONE: ["--steps", "2", "--eval-batches", "0", "--sample", "0", "--l
 # script; chapter 02's, 02_ddp_compare.py, dry-runs the same DDP: its docstring has the command); a pipeline of 2 stages (05); an MLP block split over 2 by DTensor and by ex06's layers (06); FSDP2 (07); a
 # small model trained with its sequence split over 2 (10: all-gathered K/V, gradients all-reduced); an MoE layer's
 # experts over 2 (11), uniformly routed: what the dry run assumes every rank receives is then exactly what it does.
-CASES = {"capstone-fsdp": (CAPSTONE, ["--dp", "2", "--tp", "1"]), "capstone-tp": (CAPSTONE, ["--dp", "1", "--tp", "2"]),
-         "ddp": (DDP, []), "pipeline": (PIPELINE, []), "dtensor-tp": (DTENSOR_TP, []),
-         "fsdp-memory": (FSDP_MEMORY, []), "context": (CONTEXT, []),
-         "moe": (MOE, [])}
+# At world 4, where a rank's groups are not the world or where ranks differ: the capstone on a 2 x 2 FSDP x TP mesh,
+# a pipeline's first, middle and last stages, an all-to-all among 4, a ring of 4.
+CASES = {"capstone-fsdp": (CAPSTONE, ["--dp", "2", "--tp", "1"], 2),
+         "capstone-tp": (CAPSTONE, ["--dp", "1", "--tp", "2"], 2),
+         "ddp": (DDP, [], 2), "pipeline": (PIPELINE, [], 2), "dtensor-tp": (DTENSOR_TP, [], 2),
+         "fsdp-memory": (FSDP_MEMORY, [], 2), "context": (CONTEXT, [], 2), "moe": (MOE, [], 2),
+         "capstone-2d": (CAPSTONE, ["--dp", "2", "--tp", "2"], 4), "pipeline-4": (PIPELINE, [], 4),
+         "context-4": (CONTEXT, [], 4), "moe-4": (MOE, [], 4)}
+# The rest at world 4 too (~80 s more, so not in `make test`): GPUCOURSE_DRYRUN_ALL_WORLDS=1 pytest tests/test_dryrun.py
+if os.environ.get("GPUCOURSE_DRYRUN_ALL_WORLDS") == "1":
+    CASES |= {"capstone-fsdp-4": (CAPSTONE, ["--dp", "4", "--tp", "1"], 4),
+              "capstone-tp-4": (CAPSTONE, ["--dp", "1", "--tp", "4"], 4),
+              "ddp-4": (DDP, [], 4), "dtensor-tp-4": (DTENSOR_TP, [], 4), "fsdp-memory-4": (FSDP_MEMORY, [], 4)}
 # The step each case reports: the last it logged (--steps 2 from 0; the pipeline counts from 1; chapter 10 trains 3
 # steps); None where the script logs no step (the whole run is one forward and backward)
-LAST_STEP = {"pipeline": 2, "dtensor-tp": None, "context": 2}
+LAST_STEP = {"pipeline": 2, "pipeline-4": 2, "dtensor-tp": None, "dtensor-tp-4": None, "context": 2, "context-4": 2}
 # One worker runs the module: under pytest-xdist each worker would set the module's fixtures up again (each case's
 # two launches, twice).
 pytestmark = pytest.mark.xdist_group("dryrun")
@@ -51,22 +61,23 @@ pytestmark = pytest.mark.xdist_group("dryrun")
 
 @pytest.fixture(scope="module", params=list(CASES))
 def real_and_dry(request, tmp_path_factory):
-    """The script at world 2, really (gloo, counting) and dry (fake group): (case, launch result, real, dry)."""
-    (script, mesh), out = CASES[request.param], tmp_path_factory.mktemp("counts")
+    """The script at its world, really (gloo, counting) and dry (fake group): (case, launch result, real, dry)."""
+    (script, mesh, world), out = CASES[request.param], tmp_path_factory.mktemp("counts")
     args = mesh + SMOKE[script]
     with ThreadPoolExecutor(1) as pool:  # side by side: each spends much of its time starting processes
-        dry = pool.submit(dr.dryrun, script, world=2, ranks=[0, 1], args=args, timeout=180)
-        result = gpucourse.launch(script, nproc=2, args=args, env={COUNT_FILE_ENV: str(out / "rank{rank}.json")},
-                                  live="off", timeout=180, name=f"count-{script.stem}", check=True)
+        dry = pool.submit(dr.dryrun, script, world=world, ranks=list(range(world)), args=args, timeout=180)
+        result = gpucourse.launch(script, nproc=world, args=args, env={COUNT_FILE_ENV: str(out / "rank{rank}.json")},
+                                  live="off", timeout=180, name=f"count-{request.param}", check=True)
         dry = dry.result()
-    real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     return request.param, result, real, dry["ranks"]
 
 
 def test_dry_counts_equal_the_real_gloo_run(real_and_dry):
     case, _, real, dry = real_and_dry
     script = CASES[case][0]
-    for r in range(2):
+    assert len(dry) == len(real) == CASES[case][2]
+    for r in range(len(real)):
         assert dry[r]["rank"] == r and dry[r]["dry"] and not real[r]["dry"]
         assert dry[r]["step"] == real[r]["step"] == LAST_STEP.get(case, 1)
         assert dry[r]["comms"], f"{script.name}: rank {r} counted no communication"
@@ -77,32 +88,37 @@ def test_dry_counts_equal_the_real_gloo_run(real_and_dry):
         # peak (64 KiB apart in the TP case, 1 run in 8 under two CPU burners). Counted, not compared.
         assert dry[r]["peak_bytes"] > 0 and real[r]["peak_bytes"] > 0
         assert dry[r]["flops"] == real[r]["flops"] > 0
-        assert real[r]["assumptions"] == [] and bool(dry[r]["assumptions"]) == (case == "moe")  # stated, in dry runs
+        assert real[r]["assumptions"] == [] and bool(dry[r]["assumptions"]) == case.startswith("moe")  # stated
 
 
 def test_model_states_equal_the_zero_formulas(real_and_dry):
     case, result, _, dry = real_and_dry
-    if case in ("pipeline", "dtensor-tp", "context", "moe"):
+    if case.split("-")[0] in ("pipeline", "dtensor", "context", "moe"):
         pytest.skip(f"{case}: no optimizer step to count (pipeline, tensor and context parallel, MoE: plain SGD by "
                     "hand)")
-    key = "num_params" if case == "fsdp-memory" else "params"  # 07_memory.py's "params" are bytes
+    key = "num_params" if case.startswith("fsdp-memory") else "params"  # 07_memory.py's "params" are bytes
     n = next(rec for rec in result.metrics[0] if key in rec)[key]
     states = [d["model_states"] for d in dry]
+    world = len(states)
     total = [s["params"] + s["grads"] + s["optimizer"] for s in states]
-    if case == "capstone-tp":  # no ZeRO stage: the blocks' Linears are split in two, the rest is whole on both
-        assert states[0] == states[1] and 4 * n / 2 < states[0]["params"] < 4 * n
+    if case.startswith("capstone-tp"):  # no ZeRO stage: the blocks' Linears are split, the rest is whole on each
+        assert all(s == states[0] for s in states) and 4 * n / world < states[0]["params"] < 4 * n
         assert total[0] == 16 * states[0]["params"] / 4  # fp32 AdamW on what the rank holds: 4 + 4 + 8 bytes
-    elif case == "ddp":  # plain SGD, fp32, replicated: stage 0, no optimizer state
-        expected = costs.zero_memory_bytes(n, 2, 0, param_bytes=4, grad_bytes=4, optimizer_bytes=0)
-        assert total == [expected, expected]
-    else:  # FSDP2 = stage 3, fp32 AdamW (exp_avg, exp_avg_sq): the two ranks' shards add up to the formula x 2
-        expected = costs.zero_memory_bytes(n, 2, 3, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
-        assert sum(total) == 2 * expected
+    elif case == "capstone-2d":  # FSDP over the TP shards: each tp rank's pair of dp shards holds as much
+        assert states[0]["params"] + states[2]["params"] == states[1]["params"] + states[3]["params"]
+        assert [16 * s["params"] / 4 for s in states] == total  # fp32 AdamW on what the rank holds
+    elif case.startswith("ddp"):  # plain SGD, fp32, replicated: stage 0, no optimizer state
+        expected = costs.zero_memory_bytes(n, world, 0, param_bytes=4, grad_bytes=4, optimizer_bytes=0)
+        assert total == [expected] * world
+    else:  # FSDP2 = stage 3, fp32 AdamW (exp_avg, exp_avg_sq): the ranks' shards add up to the formula x world
+        expected = costs.zero_memory_bytes(n, world, 3, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+        assert sum(total) == world * expected
 
 
 # --fake-tensors: the same counts with no storage behind the rank's tensors. Compared with the real-tensor dry runs
-# above (which equal the real gloo run's): FSDP over 2 ranks (07's FSDP2 MLP), and the capstone's FSDP x TP.
-FAKE_CASES = ("fsdp-memory",)  # the capstone: its FSDP x TP case below holds FSDP and TP at once
+# above (which equal the real gloo run's): FSDP over 2 ranks (07's FSDP2 MLP), and the capstone's FSDP x TP (rank 3:
+# dp group [1, 3], tp group [2, 3]); it holds FSDP and TP at once.
+FAKE_CASES = {"fsdp-memory": [0, 1], "capstone-2d": [3]}
 
 
 def assert_fake_equals_real(real: dict, fake: dict) -> None:
@@ -124,23 +140,14 @@ def test_fake_tensors_count_what_real_ones_do(real_and_dry):
     case, _, _, dry = real_and_dry
     if case not in FAKE_CASES:
         pytest.skip(f"{case}: fake tensors are compared on {', '.join(FAKE_CASES)} and the capstone's FSDP x TP")
-    script, mesh = CASES[case]
-    fake = dr.dryrun(script, world=2, ranks=[0, 1], args=mesh + SMOKE[script], timeout=180, fake_tensors=True)
-    assert fake["fake_tensors"]
-    for r in range(2):
-        assert_fake_equals_real(dry[r], fake["ranks"][r])
-
-
-def test_fake_tensors_on_the_capstones_fsdp_x_tp_mesh():
-    """dp 2 x tp 2 at world 4, rank 3 (dp group [1, 3], tp group [2, 3]), real and fake tensors side by side: ~6 s."""
-    args = ["--dp", "2", "--tp", "2", *SMOKE[CAPSTONE]]
-    with ThreadPoolExecutor(1) as pool:
-        fake = pool.submit(dr.dryrun, CAPSTONE, world=4, ranks=[3], args=args, timeout=180, fake_tensors=True)
-        real = dr.dryrun(CAPSTONE, world=4, ranks=[3], args=args, timeout=180)
-        fake = fake.result()
-    for r, f in zip(real["ranks"], fake["ranks"]):
-        assert {tuple(c["group"]) for c in f["comms"]} == {(1, 3), (2, 3)}
-        assert_fake_equals_real(r, f)
+    script, mesh, world = CASES[case]
+    ranks = FAKE_CASES[case]
+    fake = dr.dryrun(script, world=world, ranks=ranks, args=mesh + SMOKE[script], timeout=180, fake_tensors=True)
+    assert fake["fake_tensors"] and [f["rank"] for f in fake["ranks"]] == ranks
+    for r, f in zip(ranks, fake["ranks"]):
+        assert_fake_equals_real(dry[r], f)
+    if case == "capstone-2d":
+        assert {tuple(c["group"]) for c in fake["ranks"][0]["comms"]} == {(1, 3), (2, 3)}
 
 
 BIG_MODEL = """import sys

@@ -195,6 +195,32 @@ def test_a_value_read_under_fake_tensors_names_the_line(big_model, read):
     assert f"(line {line} of big_model.py)" in proc.stderr and "has no values" in proc.stderr
 
 
+FAKE_LIMIT = """import sys
+import torch
+from gpucourse import runtime
+
+runtime.setup()
+if sys.argv[1] == "ddp":
+    torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+else:  # the tokens each of 4 experts receives: a shape that depends on the routing's values
+    torch.randint(4, (16,)).bincount()
+"""
+
+
+@pytest.mark.parametrize("case, says", [("ddp", "fake tensors cannot run DDP"),
+                                        ("bincount", "a shape that depends on values")])
+def test_what_fake_tensors_cannot_run_is_named_with_the_way_out(tmp_path, case, says):
+    """DDP's C++ reducer and a data-dependent shape: the rank's line, why, and what to do (~4 s each)."""
+    script = tmp_path / "limits.py"
+    script.write_text(FAKE_LIMIT)
+    with pytest.raises(dr.DryRunFailed) as failed:
+        dr.dryrun(script, world=2, ranks=[0], args=[case], fake_tensors=True, timeout=120)
+    line = 1 + FAKE_LIMIT.splitlines().index("    torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))"
+                                             if case == "ddp" else "    torch.randint(4, (16,)).bincount()")
+    assert f"(line {line} of limits.py)" in str(failed.value) and says in str(failed.value)
+    assert str(failed.value).endswith("dry-run it without --fake-tensors")
+
+
 def test_capstone_at_world_1024(tmp_path):
     report = tmp_path / "dry.json"
     proc = run_cli("dryrun", CAPSTONE, "--world", 1024, "--json", report, "--", "--dp", "256", "--tp", "4",

@@ -85,6 +85,16 @@ NO_VALUE = ("a fake-tensor dry run has no values: the script reads or prints one
             "runtime.fake_tensors()")
 
 
+# What fake tensors cannot do, by a sign in the rank's last line: (sign, why). The script runs without them.
+FAKE_LIMITS = (
+    ("Caffe2 uses a lazy allocation", "fake tensors cannot run DDP: its C++ reducer needs real memory for its "
+                                      "buckets"),
+    ("DynamicOutputShapeException", "fake tensors cannot know a shape that depends on values, such as the tokens an "
+                                    "expert receives"),
+    ("Couldn't swap", "fake tensors cannot convert a built module's parameters to another dtype"),
+)
+
+
 # --- in the rank: fake tensors (--fake-tensors) ------------------------------------------------------------------
 def _outside_fake_mode(fn):
     """fn, run with the fake mode set aside: a device mesh lists its ranks in a real (small) tensor."""
@@ -430,6 +440,9 @@ def _failure(rank: int, work: Path, path: Path, code: int) -> Exception:
         return DryRunError(f"rank {rank}: {last}")
     if "DataDependentOutputException" in last or "NoValueError" in last:  # a value read from a fake tensor
         last = NO_VALUE
+    elif hint := next((why for sign, why in FAKE_LIMITS if sign in last), None):
+        detail = f" ({last.split(': ', 1)[1]})" if last.split(":")[0].endswith(("Error", "Exception")) else ""
+        last = f"{hint}{detail}: dry-run it without --fake-tensors"
     elif code == -signal.SIGKILL or "MemoryError" in last or "can't allocate memory" in last:
         last += " (out of memory? --fake-tensors dry-runs a model without its memory)"
     message = f"rank {rank} of the dry run failed{at}: {last}"

@@ -115,6 +115,22 @@ def test_model_states_equal_the_zero_formulas(real_and_dry):
         assert sum(total) == world * expected
 
 
+def test_counted_flops_are_the_papers_formula_and_attentions_recompute(real_and_dry):
+    """The capstone under FSDP: torch's FLOP counter, per step and rank, against costs.model_flops_per_token (PaLM's
+    6 N + 12 L d T a token, N the matrix-product weights), as the script logs it for its model. The counter adds
+    2 L d T a token: attention's backward recomputes the scores (5 matrix products to the forward's 2, where the
+    formula counts 4)."""
+    case, result, _, dry = real_and_dry
+    if case != "capstone-fsdp":
+        pytest.skip("the formula is a GPT's: the capstone, FSDP over 2 (its per-rank share is its tokens')")
+    header = next(rec for rec in result.metrics[0] if "flops_per_token" in rec)
+    args = dict(zip(SMOKE[CAPSTONE][::2], SMOKE[CAPSTONE][1::2]))
+    layers, d_model, context = int(args["--layers"]), 64, 64  # the script's default width and context
+    tokens = int(args["--batch"]) // 2 * context  # a rank's share of the global batch, per step
+    for rank in dry:
+        assert rank["flops"] == tokens * (header["flops_per_token"] + 2 * layers * d_model * context)
+
+
 # --fake-tensors: the same counts with no storage behind the rank's tensors. Compared with the real-tensor dry runs
 # above (which equal the real gloo run's): FSDP over 2 ranks (07's FSDP2 MLP), and the capstone's FSDP x TP (rank 3:
 # dp group [1, 3], tp group [2, 3]); it holds FSDP and TP at once.

@@ -91,7 +91,7 @@ FAKE_LIMITS = (
                                       "buckets"),
     ("DynamicOutputShapeException", "fake tensors cannot know a shape that depends on values, such as the tokens an "
                                     "expert receives"),
-    ("Couldn't swap", "fake tensors cannot convert a built module's parameters to another dtype"),
+    ("Couldn't swap", "fake tensors cannot convert a built module's parameters to another dtype or device"),
 )
 
 

@@ -33,10 +33,11 @@ Routers: "learned" (the router's own logits), "skewed" (the same plus a large bi
 the collapse that the load-balancing loss fights), "uniform" (a perfectly balanced assignment, round robin:
 the routing the volume formula assumes).
 
-    gpucourse dryrun scripts/11_moe.py --world 1024 -- --mode timing --router uniform --experts 1024 --steps 2
+    gpucourse dryrun scripts/11_moe.py --world 1024 -- --mode timing --router uniform --experts 1024 --tokens 512
 
 A dry run (fake process group) exchanges no counts: every rank is assumed to route its tokens as this rank does
-(uniform: T·k/E rows per expert from every rank; --router skewed for a skew), stated beside the report's figures.
+(uniform: T·k/E rows per expert from every rank, where T·k is a multiple of E, hence --tokens 512 above; --router
+skewed for a skew), stated beside the report's figures.
 """
 import argparse
 import contextlib
@@ -179,6 +180,20 @@ def dispatch_rules(moe: MoE, priority: str, mistake: str | None):
         yield
     finally:
         moe.ex11.kept_assignments, dist.all_to_all_single = rule, exchange
+
+
+def let_the_fake_group_move_rows_one_way() -> None:
+    """Dry runs: an all_to_all_single with rows one way only (this rank's experts receive none but it gets its own
+    rows back, or the reverse) is what real groups do; the fake group refuses it. It moves nothing anyway, so it is
+    given a receive buffer shaped like the send: the call and its send buffer, what is counted, stay the same."""
+    exchange = dist.all_to_all_single
+
+    def one_way(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        if (output.numel() == 0) != (input.numel() == 0):
+            output, output_split_sizes = torch.empty_like(input), input_split_sizes
+        return exchange(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = one_way
 
 
 def moe_expert_parallel(moe: MoE, x, ids, weights, capacity, group=None, mistake=None, times=None,
@@ -490,6 +505,8 @@ def main() -> None:
     if ex11 is None:
         raise SystemExit(f"this chapter's layer runs exercise ex11's kept_assignments and AllToAll: {source}")
     log = partial(runtime.log, impl=source)  # every record says whose ex11 pieces ran
+    if runtime.dry_run():
+        let_the_fake_group_move_rows_one_way()
     counter = CommCounter()
     for mode in args.mode:
         run_mode(mode, args, ctx, counter, dev, ex11, log, ep)

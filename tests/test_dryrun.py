@@ -237,6 +237,17 @@ def test_what_fake_tensors_cannot_run_is_named_with_the_way_out(tmp_path, case, 
     assert str(failed.value).endswith("dry-run it without --fake-tensors")
 
 
+def test_a_skewed_moe_dry_runs_where_a_ranks_experts_receive_nothing():
+    """Chapter 11's skewed router at world 64: the last rank's experts get no token, yet its own rows come back
+    (an all-to-all with rows one way only, which the fake group refused). Counted and stated, ~5 s."""
+    got = dr.dryrun(MOE, world=64, ranks=[63], args=["--mode", "timing", "--router", "skewed", "--experts", "64",
+                                                     "--steps", "2", "--warmup", "0", "--impl", SMOKE[MOE][-1]],
+                    timeout=180)["ranks"][0]
+    assert "skewed router" in got["assumptions"][0]
+    sent = {c["op"]: c for c in got["comms"]}["all_to_all_single"]
+    assert sent["group_size"] == 64 and sent["calls"] == 4 and sent["bytes"] > 0
+
+
 def test_capstone_at_world_1024(tmp_path):
     report = tmp_path / "dry.json"
     proc = run_cli("dryrun", CAPSTONE, "--world", 1024, "--json", report, "--", "--dp", "256", "--tp", "4",

@@ -20,6 +20,7 @@ The same script runs on GPUs: the runtime picks NCCL and cuda:<local rank>; --dt
 import argparse
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +32,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn import functional as F
 
 from gpucourse import costs, runtime
+
+# Printed by every rank and harmless here: the logits FSDP2 returns as a view are never changed in place, and the
+# backward hooks CommDebugMode puts on the model see its only input, token ids, needing no gradient.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect")
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "macbeth.txt"
 

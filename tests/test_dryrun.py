@@ -156,7 +156,7 @@ def test_fake_tensors_count_what_real_ones_do(real_and_dry):
     """~6 s a case (two rank processes), the real-tensor dry run shared with the tests above."""
     case, _, _, dry = real_and_dry
     if case not in FAKE_CASES:
-        pytest.skip(f"{case}: fake tensors are compared on {', '.join(FAKE_CASES)} and the capstone's FSDP x TP")
+        pytest.skip(f"{case}: fake tensors are compared on {', '.join(FAKE_CASES)}")
     script, mesh, world = CASES[case]
     ranks = FAKE_CASES[case]
     fake = dr.dryrun(script, world=world, ranks=ranks, args=mesh + SMOKE[script], timeout=180, fake_tensors=True)

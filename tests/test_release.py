@@ -280,20 +280,10 @@ def test_a_target_file_is_graded_in_the_release(release, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_untouched_exercises_get_zero_in_the_release(release, tmp_path):
-    out = tmp_path / "grade.json"
-    done = release_cli(release, tmp_path, "grade", "ex04", "--json", out, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads(out.read_text())
-    assert report["files"] == {FAST: str(release / "exercises" / f"{FAST}.py")}
-    assert report["problems"] == [] and len(report["tests"]) >= 10, done.stdout
-    assert report["score"] == 0 and report["max_score"] > 0
-    assert all(t["outcome"] == "failed" and "NotImplementedError" in t["reason"] for t in report["tests"]), done.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
 def test_class_grading_in_the_release(release, tmp_path):
+    """A class graded in the release (no solutions/ there): the solution gets full marks, the untouched exercise 0 on
+    every test (each stopped by the exercise's NotImplementedError), and the class is one batch: each of ex04's jobs
+    (one per world size) is launched once for both learners."""
     subs = tmp_path / "submissions"
     for learner, source in (("alice", SOLUTIONS[FAST]), ("bob", release / "exercises" / f"{FAST}.py")):
         (subs / learner).mkdir(parents=True)
@@ -309,6 +299,11 @@ def test_class_grading_in_the_release(release, tmp_path):
     for learner in rows:
         details = json.loads((tmp_path / "grades-details" / f"{learner}.json").read_text())
         assert details["problems"] == [] and details["files"] == {FAST: str(subs / learner / f"{FAST}.py")}
+    bob = json.loads((tmp_path / "grades-details" / "bob.json").read_text())
+    assert len(bob["tests"]) >= 10 and all(
+        t["outcome"] == "failed" and "NotImplementedError" in t["reason"] for t in bob["tests"]), bob
+    launched = sorted(run.name.rsplit("-", 2)[0] for run in (tmp_path / "runs").iterdir())
+    assert launched == ["grade-ex04-w1", "grade-ex04-w2", "grade-ex04-w4"], launched
 
 
 # A class body in the learner's ex09 file, run wherever the file is executed: it leaves a marker named after where it

@@ -34,21 +34,22 @@ SMOKE = {CAPSTONE: ["--steps", "2", "--eval-batches", "0", "--sample", "0", "--l
                    "--impl", str(ROOT / "solutions" / "ex10_ring_attention.py")],
          MOE: ["--mode", "timing", "--router", "uniform", "--steps", "2", "--warmup", "0", "--tokens", "16",
                "--impl", str(ROOT / "solutions" / "ex11_expert_parallel.py")]}
-# At world 2: the capstone with FSDP over 2 ranks, and with tensor parallelism over 2; DDP over 2 (chapter 03's
-# script; chapter 02's, 02_ddp_compare.py, dry-runs the same DDP: its docstring has the command); a pipeline of 2 stages (05); an MLP block split over 2 by DTensor and by ex06's layers (06); FSDP2 (07); a
-# small model trained with its sequence split over 2 (10: all-gathered K/V, gradients all-reduced); an MoE layer's
+# At world 2: the capstone with FSDP over 2 ranks; DDP over 2 (chapter 03's script; chapter 02's,
+# 02_ddp_compare.py, dry-runs the same DDP: its docstring has the command); an MLP block split over 2 by DTensor
+# and by ex06's layers (06); FSDP2 (07); a small model trained with its sequence split over 2 (10: all-gathered K/V, gradients all-reduced); an MoE layer's
 # experts over 2 (11), uniformly routed: what the dry run assumes every rank receives is then exactly what it does.
 # At world 4, where a rank's groups are not the world or where ranks differ: the capstone on a 2 x 2 FSDP x TP mesh,
 # a pipeline's first, middle and last stages.
 CASES = {"capstone-fsdp": (CAPSTONE, ["--dp", "2", "--tp", "1"], 2),
-         "capstone-tp": (CAPSTONE, ["--dp", "1", "--tp", "2"], 2),
-         "ddp": (DDP, [], 2), "pipeline": (PIPELINE, [], 2), "dtensor-tp": (DTENSOR_TP, [], 2),
+         "ddp": (DDP, [], 2), "dtensor-tp": (DTENSOR_TP, [], 2),
          "fsdp-memory": (FSDP_MEMORY, [], 2), "context": (CONTEXT, [], 2), "moe": (MOE, [], 2),
          "capstone-2d": (CAPSTONE, ["--dp", "2", "--tp", "2"], 4), "pipeline-4": (PIPELINE, [], 4)}
-# The rest at world 4 too, in the world's one group (~2 min more, so not in `make test`):
+# The rest (~3 min more, so not in `make test`): the capstone's TP-only mesh and a pipeline of 2 (the 2 x 2 mesh and
+# the 4 stages above hold what they count), and every script at world 4 in the world's one group:
 # GPUCOURSE_DRYRUN_ALL_WORLDS=1 pytest tests/test_dryrun.py
 if os.environ.get("GPUCOURSE_DRYRUN_ALL_WORLDS") == "1":
-    CASES |= {"context-4": (CONTEXT, [], 4), "moe-4": (MOE, [], 4),
+    CASES |= {"capstone-tp": (CAPSTONE, ["--dp", "1", "--tp", "2"], 2), "pipeline": (PIPELINE, [], 2),
+              "context-4": (CONTEXT, [], 4), "moe-4": (MOE, [], 4),
               "capstone-fsdp-4": (CAPSTONE, ["--dp", "4", "--tp", "1"], 4),
               "capstone-tp-4": (CAPSTONE, ["--dp", "1", "--tp", "4"], 4),
               "ddp-4": (DDP, [], 4), "dtensor-tp-4": (DTENSOR_TP, [], 4), "fsdp-memory-4": (FSDP_MEMORY, [], 4)}

@@ -195,8 +195,12 @@ def test_checked_cells_have_stored_reference_outputs(path):
 @pytest.mark.parametrize("path", CHECKED, ids=lambda p: p.stem)
 def test_checked_cells_match_with_nbval(path, tmp_path, runs_dir):
     """nbval (lax) re-runs the notebook with learner defaults and compares the marked cells with the stored
-    reference. The copy sits beside the original so the notebook's relative paths (../scripts) still hold."""
+    reference. The copy sits beside the original so the notebook's relative paths (../scripts) still hold.
+    Sizes the checked cells do not show may be smaller (the notebook's metadata `gpucourse.nbval`)."""
     copy = with_expected_outputs(path, path.with_name(f".nbval-{path.name}"))
+    smaller = nbformat.read(path, as_version=4).metadata.get("gpucourse", {}).get("nbval")
+    if smaller:
+        with_parameters(copy, copy, smaller)
     env = {**__import__("os").environ, "GPUCOURSE_LIVE": "text"}  # and runs_dir's $GPUCOURSE_RUNS_DIR
     try:
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax", "--nbval-kernel-name", "python3",

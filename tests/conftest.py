@@ -242,6 +242,41 @@ def run_cli(*args, timeout=120, env=None, cwd=None) -> subprocess.CompletedProce
 
 
 # --- launches that several tests read -----------------------------------------------------------------------
+def chapter(stem: str) -> list:
+    """Marks for a test that reads chapter `stem`'s smoke run (`smoke_chapter`): one xdist worker runs them all,
+    so the chapter is executed once."""
+    return [pytest.mark.xdist_group(f"chapter-{stem[:2]}")]
+
+
+@pytest.fixture(scope="session")
+def smoke_chapter(tmp_path_factory):
+    """smoke_chapter(path) -> (NotebookRun, runs folder): the chapter executed at its smoke sizes from a learner's
+    copy (`gpucourse workspace`, what `make lab` opens: a folder beside notebooks/), once per session; its runs
+    are in the folder for every test that reads them (mark those tests `chapter(...)`)."""
+    import shutil
+
+    from gpucourse.tools.course import execute_notebook
+    from gpucourse.tools.workspace import sync
+
+    done = {}
+
+    def run(path: Path):
+        if path not in done:
+            folder = tmp_path_factory.mktemp(f"chapter-{path.stem[:2]}")
+            mywork = ROOT / f"mywork-test-{os.getpid()}"
+            try:
+                with pytest.MonkeyPatch.context() as env:
+                    env.setenv(RUNS_ENV, str(folder / "runs"))  # the kernel, and so its launches, inherit it
+                    sync(mywork, [path])
+                    done[path] = (execute_notebook(mywork / path.name, folder / "executed", smoke=True,
+                                                   cell_timeout=600), folder / "runs")
+            finally:
+                shutil.rmtree(mywork, ignore_errors=True)
+        return done[path]
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def launched(tmp_path_factory):
     """launched(start, *jobs, parallel=1) -> [start(job) for job in jobs], each job started once per session.

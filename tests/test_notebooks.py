@@ -1,18 +1,15 @@
 """Every chapter notebook: executed in CI (papermill, smoke sizes), stored stripped, in sync with scripts/."""
-import os
 import re
-import shutil
 import subprocess
 import sys
 
 import nbformat
 import pytest
 
-from gpucourse.tools.course import (CHECK_MARK, chapter_key, execute_notebook, expected_outputs_file, find_notebooks,
-                                    smoke_parameters, with_expected_outputs, with_parameters)
-from gpucourse.tools.workspace import sync
+from gpucourse.tools.course import (CHECK_MARK, chapter_key, expected_outputs_file, find_notebooks, smoke_parameters,
+                                    with_expected_outputs, with_parameters)
 
-from .conftest import ROOT, run_processes
+from .conftest import ROOT, chapter, run_processes
 
 NOTEBOOKS = find_notebooks()
 WRITEFILE = re.compile(r"^%%writefile\s+(\S+)\s*\n", re.M)
@@ -29,22 +26,21 @@ def test_there_are_notebooks():
 CHECKED = [p for p in NOTEBOOKS if any(CHECK_MARK in c.source for c in _cells(p))]
 
 
+SHARED = {"08_multinode_faults_hangs"}  # chapters whose smoke runs other tests read (tests/test_reshard.py)
+
+
 @pytest.mark.notebook
 @pytest.mark.timeout(1200)  # a whole notebook of real launches: minutes on a busy 2-core machine; speed is not the test
-@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p not in CHECKED], ids=lambda p: p.stem)
-def test_notebook_runs_in_smoke_mode(path, tmp_path, runs_dir):
-    """Run from a learner's copy (`gpucourse workspace`, what `make lab` opens: a folder beside notebooks/). The
-    chapters with checked cells are left to test_checked_cells_match_with_nbval, which runs every one of their cells
-    at the learner's own sizes: running them again at smoke sizes cost a minute of CI and proved nothing more."""
-    mywork = ROOT / f"mywork-test-{os.getpid()}"
-    try:
-        sync(mywork, [path])
-        result = execute_notebook(mywork / path.name, tmp_path / "executed", smoke=True, cell_timeout=600)
-    finally:
-        shutil.rmtree(mywork, ignore_errors=True)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=chapter(p.stem) if p.stem in SHARED else ())
+                                  for p in NOTEBOOKS if p not in CHECKED], ids=lambda p: p.stem)
+def test_notebook_runs_in_smoke_mode(path, smoke_chapter):
+    """Run from a learner's copy (see smoke_chapter). The chapters with checked cells are left to
+    test_checked_cells_match_with_nbval, which runs every one of their cells at the learner's own sizes: running
+    them again at smoke sizes cost a minute of CI and proved nothing more."""
+    result, runs = smoke_chapter(path)
     assert result.status == "ok", f"{path.name} failed in cell {result.failing_cell}: {result.error}"
     # The 3-minute budget per notebook is measured by benchmarks/course_smoke.py, not asserted here.
-    for run_dir in runs_dir.glob("*"):
+    for run_dir in runs.glob("*"):
         assert run_processes(run_dir) == [], f"{run_dir.name} left processes behind"
 
 

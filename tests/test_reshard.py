@@ -1,45 +1,42 @@
-"""Checkpoints that reshard (scripts/08_reshard.py): one run under FSDP at world 4 saves with DCP after step SAVE_AT
-and trains on, uninterrupted, to the end; five jobs then resume from its checkpoint side by side (launch_all): under
-FSDP 2 x TP 2, HSDP 2 x 2 and plain FSDP at world 2, each for the full AFTER = 20 steps the chapter uses, and the two
-mistakes: the loader's state dropped, and a plain torch.save of each rank's shards loaded at world 2."""
+"""Checkpoints that reshard (scripts/08_reshard.py), read from chapter 08's own runs (its smoke run, which CI
+executes anyway: `smoke_chapter`): one run under FSDP at world 4 saves with DCP after step SAVE_AT and trains on,
+uninterrupted, to the end; five jobs then resume from its checkpoint side by side: under FSDP 2 x TP 2, HSDP 2 x 2
+and plain FSDP at world 2, each for AFTER = 20 steps as at the chapter's default sizes, and the two mistakes: the
+loader's state dropped, and a plain torch.save of each rank's shards loaded at world 2."""
+import re
+
 import pytest
 
-from gpucourse.run.contract import RUNS_ENV
-from gpucourse.run.launcher import launch_all
+from gpucourse.run.result import load_run
+from gpucourse.tools.course import smoke_parameters
 from gpucourse.viz import tables
 
-from .conftest import ROOT, run_processes
+from .conftest import ROOT, chapter
 
-SCRIPT = ROOT / "scripts" / "08_reshard.py"
-SAVE_AT, AFTER = 3, 20
+CHAPTER = ROOT / "notebooks" / "08_multinode_faults_hangs.ipynb"
+SMOKE = smoke_parameters(CHAPTER)
+SAVE_AT, AFTER, BATCH = SMOKE["RESHARD_SAVE_AT"], SMOKE["RESHARD_AFTER"], SMOKE["RESHARD_BATCH"]
 STEPS = SAVE_AT + 1 + AFTER
-RESUMES = {  # name: (ranks, layout, extra arguments)
-    "fsdp-tp": (4, "fsdp-tp", []),
-    "hsdp": (4, "hsdp", []),
-    "fsdp-2": (2, "fsdp", []),
-    "drop-loader-state": (2, "fsdp", ["--drop-loader-state"]),
-    "torch-save": (2, "fsdp", ["--torch-save"]),
+RESUMES = {  # name: (ranks, layout, the chapter's run), in the order of the chapter's LAYOUTS
+    "fsdp-tp": (4, "fsdp-tp", "08-reshard-0"),
+    "hsdp": (4, "hsdp", "08-reshard-1"),
+    "fsdp-2": (2, "fsdp", "08-reshard-2"),
+    "drop-loader-state": (2, "fsdp", "08-reshard-3"),
+    "torch-save": (2, "fsdp", "08-reshard-4"),
 }
-pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("reshard")]  # one worker: launched once
+pytestmark = [pytest.mark.timeout(1200), *chapter(CHAPTER.stem)]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(smoke_chapter):
     """{"reference": the uninterrupted world-4 run that saved, **{name: its resumed run}}."""
-    ckpt = tmp_path_factory.mktemp("reshard") / "checkpoint"
-    common = {"script": SCRIPT, "check": False, "timeout": 300, "env": {"OMP_NUM_THREADS": "1"}}
-    base = ["--steps", str(STEPS), "--batch", "8", "--samples", "256"]  # one epoch: every id at most once
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(RUNS_ENV, str(tmp_path_factory.mktemp("reshard-runs")))
-        [reference] = launch_all([{**common, "nproc": 4, "name": "reshard-reference", "args": base + [
-            "--layout", "fsdp", "--save-at", str(SAVE_AT), "--ckpt-dir", str(ckpt), "--torch-save"]}])
-        assert reference.ok, reference.summary()
-        resumed = launch_all([{**common, "nproc": n, "name": f"reshard-{name}",
-                               "args": base + ["--layout", layout, "--resume-from", str(ckpt), *extra]}
-                              for name, (n, layout, extra) in RESUMES.items()])
-    out = {"reference": reference, **dict(zip(RESUMES, resumed))}
-    for res in out.values():
-        assert run_processes(res.run_dir) == [], f"{res.name} left processes behind"
+    _, folder = smoke_chapter(CHAPTER)
+    out = {}
+    for name, run in {"reference": "08-reshard-fsdp-4", **{k: v[2] for k, v in RESUMES.items()}}.items():
+        found = [d for d in folder.glob(f"{run}-*") if re.fullmatch(rf"{run}-\d{{8}}-\d{{6}}(-\d+)?", d.name)]
+        assert len(found) == 1, (f"chapter 08's smoke run made {len(found)} runs named {run}: see "
+                                 "test_notebook_runs_in_smoke_mode[08_multinode_faults_hangs]")
+        out[name] = load_run(found[0])
     return out
 
 
@@ -60,7 +57,7 @@ def test_resumed_on_another_layout_equals_the_uninterrupted_run(runs, name):
 
 def test_the_uninterrupted_run_sees_each_sample_once_in_a_shuffled_order(runs):
     ids = [i for m in runs["reference"].metrics[0] if "ids" in m for i in m["ids"]]
-    assert len(ids) == STEPS * 8 == len(set(ids)) and ids != sorted(ids)
+    assert len(ids) == STEPS * BATCH == len(set(ids)) and ids != sorted(ids)
 
 
 def test_resuming_without_the_loader_state_repeats_samples(runs):
@@ -69,7 +66,7 @@ def test_resuming_without_the_loader_state_repeats_samples(runs):
     row = tables.reshard(ref.metrics[0], {"dropped": res.metrics[0]}, SAVE_AT).loc["dropped"]
     # The loader starts again at sample 0: the first SAVE_AT + 1 batches are trained on twice, and as many samples
     # at the end are never reached.
-    assert row["samples repeated"] == (SAVE_AT + 1) * 8 == row["samples skipped"]
+    assert row["samples repeated"] == (SAVE_AT + 1) * BATCH == row["samples skipped"]
     assert row["steps with the same sample ids"] < AFTER
     assert row["max |loss − uninterrupted|"] > 1e-6
 

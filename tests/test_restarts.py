@@ -13,14 +13,17 @@ redone) and between two (the steps since the last one are redone), on rank 0 (wh
 and on others. Restarts under gloo used to fail often when workers shared the agent's rendezvous store
 (pytorch#135712; the launcher sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): hence several restarts, not one.
 """
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from gpucourse import launch
+from gpucourse.run.result import load_run
+from gpucourse.tools.course import smoke_parameters
 
-from .conftest import ROOT
+from .conftest import ROOT, chapter
 
 SCRIPT = ROOT / "scripts" / "08_resume.py"
 STEPS, CKPT_EVERY = 8, 2  # checkpoints after steps 1, 3, 5, 7: a kill at an even step comes right after one
@@ -32,6 +35,13 @@ KILLS = [
     (3, 2, 3),  # between two checkpoints: resumes at step 2
     (4, 0, 5),  # between two checkpoints, rank 0 (the one that moves `latest`): resumes at step 4
 ]
+# Chapter 08's smoke run makes one of these cases with this script (its runs 08-killed and 08-uninterrupted): the
+# tests read those runs instead of launching the same two jobs again.
+CHAPTER = ROOT / "notebooks" / "08_multinode_faults_hangs.ipynb"
+SMOKE = smoke_parameters(CHAPTER)
+FROM_CHAPTER = (SMOKE["RESUME_NPROC"], SMOKE["KILL_RANK"], SMOKE["KILL_AT"])
+assert (SMOKE["STEPS"], SMOKE["CKPT_EVERY"]) == (STEPS, CKPT_EVERY) and FROM_CHAPTER in KILLS, (
+    "chapter 08's smoke sizes no longer make one of these cases: align them, or drop FROM_CHAPTER")
 PARALLEL = 2  # jobs side by side: start-up (importing torch) dominates, and overlaps
 TIMEOUT_S = 300  # per job; ~10-25 s on a quiet 2-core machine, several times that when it is shared
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -64,14 +74,26 @@ def final_params(res) -> dict:
 
 def same_world(world: int):
     """Tests of one world size on one pytest-xdist worker: its uninterrupted run is launched once, not per worker."""
-    return pytest.mark.xdist_group(f"restarts-w{world}")
+    return chapter(CHAPTER.stem) if world == FROM_CHAPTER[0] else [pytest.mark.xdist_group(f"restarts-w{world}")]
+
+
+def runs(launched, smoke_chapter, world: int, kill=None) -> list:
+    """[the run in which kill's rank dies (if kill), the uninterrupted run] of `world`: chapter 08's at its world."""
+    if world != FROM_CHAPTER[0]:
+        return launched(run, *([kill] if kill else []), (world, None, None), parallel=PARALLEL)
+    _, folder = smoke_chapter(CHAPTER)
+    names = (["08-killed"] if kill else []) + ["08-uninterrupted"]
+    found = [[d for d in folder.glob(f"{n}-*") if re.fullmatch(rf"{n}-\d{{8}}-\d{{6}}(-\d+)?", d.name)]
+             for n in names]
+    assert all(len(f) == 1 for f in found), f"chapter 08's smoke run made these runs: {found}"
+    return [load_run(f[0]) for f in found]
 
 
 @pytest.mark.parametrize("kill", [pytest.param(k, marks=same_world(k[0])) for k in KILLS],
                          ids=lambda k: f"{k[0]}-ranks-rank{k[1]}-dies-at-step{k[2]}")
-def test_killed_rank_restarts_once_and_resumes_exactly(launched, kill):
+def test_killed_rank_restarts_once_and_resumes_exactly(launched, smoke_chapter, kill):
     world, rank, step = kill
-    res, uninterrupted = launched(run, kill, (world, None, None), parallel=PARALLEL)
+    res, uninterrupted = runs(launched, smoke_chapter, world, kill)
     assert res.ok, res.summary()
     attempts = sorted(p.name for p in (res.run_dir / "logs").iterdir())
     assert attempts == ["attempt0", "attempt1"], f"expected exactly one restart, got log folders {attempts}"
@@ -94,8 +116,8 @@ def test_killed_rank_restarts_once_and_resumes_exactly(launched, kill):
 
 
 @pytest.mark.parametrize("world", [pytest.param(w, marks=same_world(w)) for w in WORLDS], ids=lambda w: f"{w}-ranks")
-def test_uninterrupted_run_never_restarts(launched, world):
-    ref, = launched(run, (world, None, None))
+def test_uninterrupted_run_never_restarts(launched, smoke_chapter, world):
+    ref, = runs(launched, smoke_chapter, world)
     assert ref.ok, ref.summary()
     assert [p.name for p in (ref.run_dir / "logs").iterdir()] == ["attempt0"]
     for r in range(world):

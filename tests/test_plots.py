@@ -475,3 +475,5 @@ def test_pipeline_figure_labels_only_bars_that_hold_them_and_wraps_titles_to_the
         title_box = ax.title.get_window_extent(renderer)
         assert title_box.width <= ax.get_window_extent(renderer).width * 1.05, "a title wider than its panel"
     assert not fig.axes[0].texts and [t.get_text() for t in fig.axes[1].texts] == ["0F0", "0B0", "1F0"]
+    # The shared time axis is named once a column, under the last row.
+    assert [ax.get_xlabel() for ax in fig.axes] == [""] * 2 + ["time since the step started (ms)"] * 2

@@ -163,10 +163,10 @@ def pipeline_figure(panels: list[list[tuple[dict, str]]], *, title: str = ""):
     axes = fig.subplots(rows, cols, squeeze=False, sharex=True)
     span_ms = max(end for row in panels for t, _ in row for spans in t.values() for _, _, end in spans)
     kinds, staged = set(), False
-    for ax_row, row in zip(axes, panels):
+    for i, (ax_row, row) in enumerate(zip(axes, panels)):
         for ax, (t, name) in zip(ax_row, row):
             pipeline_rows(ax, t, name, span_ms=span_ms, axes_inches=axes_inches)
-            if ax_row is not axes[-1]:
+            if i < rows - 1:
                 ax.set_xlabel("")  # the shared time axis is named once, under the last row
             actions = [_ACTION.fullmatch(a) for spans in t.values() for a, _, _ in spans]
             kinds |= {a[2] for a in actions}

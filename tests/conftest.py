@@ -248,6 +248,17 @@ def chapter(stem: str) -> list:
     return [pytest.mark.xdist_group(f"chapter-{stem[:2]}")]
 
 
+def chapter_run(folder: Path, name: str):
+    """The run `name` (a launch's name=) of a chapter's smoke run, loaded: exactly one must be in `folder`."""
+    import re
+
+    from gpucourse.run.result import load_run
+
+    found = [d for d in folder.glob(f"{name}-*") if re.fullmatch(rf"{name}-\d{{8}}-\d{{6}}(-\d+)?", d.name)]
+    assert len(found) == 1, f"the chapter's smoke run made {len(found)} runs named {name} (see its smoke test)"
+    return load_run(found[0])
+
+
 @pytest.fixture(scope="session")
 def smoke_chapter(tmp_path_factory):
     """smoke_chapter(path) -> (NotebookRun, runs folder): the chapter executed at its smoke sizes from a learner's

@@ -3,15 +3,12 @@ executes anyway: `smoke_chapter`): one run under FSDP at world 4 saves with DCP 
 uninterrupted, to the end; five jobs then resume from its checkpoint side by side: under FSDP 2 x TP 2, HSDP 2 x 2
 and plain FSDP at world 2, each for AFTER = 20 steps as at the chapter's default sizes, and the two mistakes: the
 loader's state dropped, and a plain torch.save of each rank's shards loaded at world 2."""
-import re
-
 import pytest
 
-from gpucourse.run.result import load_run
 from gpucourse.tools.course import smoke_parameters
 from gpucourse.viz import tables
 
-from .conftest import ROOT, chapter
+from .conftest import ROOT, chapter, chapter_run
 
 CHAPTER = ROOT / "notebooks" / "08_multinode_faults_hangs.ipynb"
 SMOKE = smoke_parameters(CHAPTER)
@@ -31,13 +28,8 @@ pytestmark = [pytest.mark.timeout(1200), *chapter(CHAPTER.stem)]
 def runs(smoke_chapter):
     """{"reference": the uninterrupted world-4 run that saved, **{name: its resumed run}}."""
     _, folder = smoke_chapter(CHAPTER)
-    out = {}
-    for name, run in {"reference": "08-reshard-fsdp-4", **{k: v[2] for k, v in RESUMES.items()}}.items():
-        found = [d for d in folder.glob(f"{run}-*") if re.fullmatch(rf"{run}-\d{{8}}-\d{{6}}(-\d+)?", d.name)]
-        assert len(found) == 1, (f"chapter 08's smoke run made {len(found)} runs named {run}: see "
-                                 "test_notebook_runs_in_smoke_mode[08_multinode_faults_hangs]")
-        out[name] = load_run(found[0])
-    return out
+    return {name: chapter_run(folder, run)
+            for name, run in {"reference": "08-reshard-fsdp-4", **{k: v[2] for k, v in RESUMES.items()}}.items()}
 
 
 @pytest.mark.parametrize("name", ["fsdp-tp", "hsdp", "fsdp-2"])

@@ -13,17 +13,15 @@ redone) and between two (the steps since the last one are redone), on rank 0 (wh
 and on others. Restarts under gloo used to fail often when workers shared the agent's rendezvous store
 (pytorch#135712; the launcher sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): hence several restarts, not one.
 """
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from gpucourse import launch
-from gpucourse.run.result import load_run
 from gpucourse.tools.course import smoke_parameters
 
-from .conftest import ROOT, chapter
+from .conftest import ROOT, chapter, chapter_run
 
 SCRIPT = ROOT / "scripts" / "08_resume.py"
 STEPS, CKPT_EVERY = 8, 2  # checkpoints after steps 1, 3, 5, 7: a kill at an even step comes right after one
@@ -82,11 +80,7 @@ def runs(launched, smoke_chapter, world: int, kill=None) -> list:
     if world != FROM_CHAPTER[0]:
         return launched(run, *([kill] if kill else []), (world, None, None), parallel=PARALLEL)
     _, folder = smoke_chapter(CHAPTER)
-    names = (["08-killed"] if kill else []) + ["08-uninterrupted"]
-    found = [[d for d in folder.glob(f"{n}-*") if re.fullmatch(rf"{n}-\d{{8}}-\d{{6}}(-\d+)?", d.name)]
-             for n in names]
-    assert all(len(f) == 1 for f in found), f"chapter 08's smoke run made these runs: {found}"
-    return [load_run(f[0]) for f in found]
+    return [chapter_run(folder, name) for name in (["08-killed"] if kill else []) + ["08-uninterrupted"]]
 
 
 @pytest.mark.parametrize("kill", [pytest.param(k, marks=same_world(k[0])) for k in KILLS],

@@ -2,7 +2,7 @@
 
 The story
 ---------
-Chapter 08's lab broke collectives on purpose and let `result.diagnosis()` read the dumps. Here you write
+Chapter 08b's lab broke collectives on purpose and let `result.diagnosis()` read the dumps. Here you write
 the reading yourself. When a job stalls, times out or fails, the launcher asks each rank still alive for its
 Flight Recorder buffer: the collectives it called, in order, each with its sequence number in the process
 group, its operation and the sizes of its inputs. A rank that had already left (it finished, crashed or was

@@ -245,7 +245,9 @@ def run_cli(*args, timeout=120, env=None, cwd=None) -> subprocess.CompletedProce
 def chapter(stem: str) -> list:
     """Marks for a test that reads chapter `stem`'s smoke run (`smoke_chapter`): one xdist worker runs them all,
     so the chapter is executed once."""
-    return [pytest.mark.xdist_group(f"chapter-{stem[:2]}")]
+    from gpucourse.tools.course import chapter_key
+
+    return [pytest.mark.xdist_group(f"chapter-{chapter_key(stem + '.ipynb')}")]
 
 
 def chapter_run(folder: Path, name: str):
@@ -266,14 +268,14 @@ def smoke_chapter(tmp_path_factory):
     are in the folder for every test that reads them (mark those tests `chapter(...)`)."""
     import shutil
 
-    from gpucourse.tools.course import execute_notebook
+    from gpucourse.tools.course import chapter_key, execute_notebook
     from gpucourse.tools.workspace import sync
 
     done = {}
 
     def run(path: Path):
         if path not in done:
-            folder = tmp_path_factory.mktemp(f"chapter-{path.stem[:2]}")
+            folder = tmp_path_factory.mktemp(f"chapter-{chapter_key(path)}")
             mywork = ROOT / f"mywork-test-{os.getpid()}"
             try:
                 with pytest.MonkeyPatch.context() as env:

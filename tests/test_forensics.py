@@ -1,6 +1,8 @@
-"""Hang forensics (run/forensics.py): real 3-rank jobs broken in each way the diagnosis names, run side by side once;
-each test reads one run's Flight Recorder dumps. Rank 0 is the odd one out where the fault has one, rank 1 where
-a rank goes missing, so blaming the first or the last rank by habit fails."""
+"""Hang forensics (run/forensics.py): real 3-rank jobs broken in each way the diagnosis names; each test reads one
+run's Flight Recorder dumps. Rank 0 is the odd one out where the fault has one, rank 1 where a rank goes missing,
+so blaming the first or the last rank by habit fails. The four faults of scripts/08_hangs.py are chapter 08b's own
+runs (its smoke run, which CI executes anyway: `smoke_chapter`); the crash and the failed rendezvous are launched
+here, side by side."""
 import json
 import subprocess
 import sys
@@ -11,25 +13,30 @@ from gpucourse.run import forensics
 from gpucourse.run.contract import RUNS_ENV
 from gpucourse.run.launcher import launch_all
 
-from .conftest import JOBS, ROOT, run_cli
+from .conftest import JOBS, ROOT, chapter, chapter_run, run_cli
 
-pytestmark = pytest.mark.xdist_group("forensics")  # one worker: the module's launches are made once
+CHAPTER = ROOT / "notebooks" / "08b_hangs_and_desyncs.ipynb"
+pytestmark = chapter(CHAPTER.stem)  # one worker: the chapter and the module's launches are run once
 HANGS = ROOT / "scripts" / "08_hangs.py"
 FAULTS = JOBS / "faults.py"
 NPROC = 3
+CHAPTERS_OWN = ("mismatch", "skip", "shape", "straggler")  # its runs 08-fr-<mode>
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, smoke_chapter):
     common = {"nproc": NPROC, "check": False, "timeout": 120, "env": {"OMP_NUM_THREADS": "1"}}
-    jobs = {mode: {"script": HANGS, "args": ["--mode", mode], "stall_timeout": 8, "name": f"fr-{mode}", **common}
-            for mode in ("mismatch", "skip", "shape", "straggler")}
-    jobs["crash"] = {"script": HANGS, "args": ["--mode", "crash", "--step", "3"], "name": "fr-crash", **common}
-    jobs["rendezvous"] = {"script": FAULTS, "args": ["--mode", "rendezvous"], "name": "fr-rendezvous",
-                          **common, "timeout": 30}
+    jobs = {"crash": {"script": HANGS, "args": ["--mode", "crash", "--step", "3"], "name": "fr-crash", **common},
+            "rendezvous": {"script": FAULTS, "args": ["--mode", "rendezvous"], "name": "fr-rendezvous",
+                           **common, "timeout": 30}}
     with pytest.MonkeyPatch.context() as env:
         env.setenv(RUNS_ENV, str(tmp_path_factory.mktemp("forensics-runs")))
-        return dict(zip(jobs, launch_all(list(jobs.values()))))
+        found = dict(zip(jobs, launch_all(list(jobs.values()))))
+    _, folder = smoke_chapter(CHAPTER)
+    for mode in CHAPTERS_OWN:
+        found[mode] = chapter_run(folder, f"08-fr-{mode}")
+        assert found[mode].world_size == NPROC, f"chapter 08b's forensics lab no longer runs {NPROC} ranks"
+    return found
 
 
 @pytest.mark.parametrize("mode, kind, ranks, op, seq_id", [

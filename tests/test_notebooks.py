@@ -26,7 +26,8 @@ def test_there_are_notebooks():
 CHECKED = [p for p in NOTEBOOKS if any(CHECK_MARK in c.source for c in _cells(p))]
 
 
-SHARED = {"08_multinode_faults_hangs"}  # chapters whose smoke runs other tests read (tests/test_reshard.py)
+# chapters whose smoke runs other tests read (test_reshard and test_restarts: 08; test_forensics: 08b)
+SHARED = {"08_multinode_faults_hangs", "08b_hangs_and_desyncs"}
 
 
 @pytest.mark.notebook
@@ -98,7 +99,7 @@ def test_lines_that_matter_are_the_scripts_own(path):
 CELL_LINES, LINE_COLUMNS = 15, 120
 CEILINGS = {  # chapter: (cells over CELL_LINES, lines over LINE_COLUMNS)
     "00": (0, 0), "01": (0, 0), "02": (0, 0), "03": (0, 0), "04": (0, 0), "05": (0, 0),
-    "06": (0, 0), "07": (0, 0), "07b": (0, 0), "08": (0, 0), "09": (0, 0), "10": (0, 0), "11": (0, 0),
+    "06": (0, 0), "07": (0, 0), "07b": (0, 0), "08": (0, 0), "08b": (0, 0), "09": (0, 0), "10": (0, 0), "11": (0, 0),
 }
 
 

@@ -168,7 +168,7 @@ def ddp_compare(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(out).set_index("implementation").round({"final loss": 4, "median step (ms)": 2})
 
 
-# --- chapter 08: multi-node, faults and hangs -------------------------------------------------------
+# --- chapters 08 and 08b: multi-node, faults and hangs ------------------------------------------
 def whoami(metrics: dict) -> pd.DataFrame:
     """One row per rank: the ids torchrun gave it (GROUP_RANK is its node, LOCAL_RANK its place on the node),
     its agent's pid and the rendezvous address. metrics: {rank: records}, each rank's first record holding them."""

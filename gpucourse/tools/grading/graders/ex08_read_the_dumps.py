@@ -1,6 +1,6 @@
 """Grader of ex08 part 2: read the Flight Recorder dumps (run it with `gpucourse grade ex08_read_the_dumps`).
 
-Ten faults are injected into real 4-rank jobs of chapter 08's scripts/08_hangs.py (--mode, --rank, --step), run
+Ten faults are injected into real 4-rank jobs of chapter 08b's scripts/08_hangs.py (--mode, --rank, --step), run
 once (5 side by side) for every submission of a grading batch; the submission's `diagnose` reads each job's dumps
 and exit codes, and one test per fault scores its answer against what was injected (not against gpucourse's own
 diagnosis). The faults come from a seed: random

@@ -329,10 +329,15 @@ def test_table_and_html_show_points_and_reasons():
     assert "<table>" in html and "wrong &lt;sum&gt;" in html and "2 / 3 points" in html
 
 
-def test_a_syntax_error_is_graded_zero_with_the_error(tmp_path):
+def test_a_syntax_error_is_graded_zero_with_the_error(tmp_path, monkeypatch):
+    """Also: the caller's own pytest options (PYTEST_ADDOPTS, PYTEST_PLUGINS: an instructor's shell, a test run
+    measuring itself) do not reach the graders' pytest: a plugin it cannot import would stop every grading."""
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no_such_plugin_of_the_caller")
+    monkeypatch.setenv("PYTEST_PLUGINS", "no_such_plugin_of_the_caller")
     bad = tmp_path / "ex01_ring_allreduce.py"
     bad.write_text("def ring_all_reduce(tensor)\n    return tensor\n")
     report = grading.grade("ex01", bad)
+    assert not report.problems, report.problems
     assert report.tests and report.score == 0 and report.max_score > 0
     assert all("syntax error at line 1" in t.reason for t in report.tests)
 

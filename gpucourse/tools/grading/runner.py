@@ -239,8 +239,10 @@ def run_pytest(paths, env: dict, timeout: float = GRADE_TIMEOUT_S) -> tuple[dict
     """
     with tempfile.TemporaryDirectory(prefix="gpucourse-grade-") as tmp:
         results = Path(tmp) / "results.json"
-        # Plugin autoload off: nbval, papermill & co. cost seconds to import and graders need none of them.
-        full_env = {**os.environ, **env, RESULTS_ENV: str(results), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+        # Plugin autoload off: nbval, papermill & co. cost seconds to import and graders need none of them. The
+        # caller's own pytest options (PYTEST_ADDOPTS, PYTEST_PLUGINS) are not the graders': they are left out.
+        caller = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
+        full_env = {**caller, **env, RESULTS_ENV: str(results), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
         batch = full_env.get(BATCH_ENV)  # a batch's runs serve all its gradings: they stay in its folder
         full_env.setdefault("GPUCOURSE_RUNS_DIR", str(Path(batch or tmp) / "runs"))
         if batch:  # the first grading of a batch launches every submission's jobs

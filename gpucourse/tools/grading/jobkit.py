@@ -264,6 +264,7 @@ class GradingJob:
         self.submission = os.path.abspath(args.submissions[sub])
         os.environ[STORE_PREFIX_ENV] = f"sub{sub}/"
         self.ctx = self.setup()
+        all_connected(self.ctx.world_size)
         self.prepare()
         self.log = log = record_writer(sub)  # before the submission is imported: see record_writer
         self.guard = self.make_guard(comm_recorder.install())
@@ -287,6 +288,20 @@ class GradingJob:
         cases after it."""
         runtime.wait_for_gloo_workers()
         self.guard.dist.barrier()
+
+
+def all_connected(world: int, wait_s: float = 60.0) -> None:
+    """Wait until every rank's process group is up. A rank that finished its cases at once (an untouched exercise
+    raises NotImplementedError) and exited closed its connections while a slower rank was still building its gloo
+    mesh: "connectFullMesh failed ... Connection closed by peer" on that rank, and the batch's job stalled. Counted
+    in the group's store, not with a collective, so that no grader sees one the submission did not make."""
+    if not dist.is_initialized() or world == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    store.add("gpucourse-connected", 1)
+    deadline = time.monotonic() + wait_s
+    while store.add("gpucourse-connected", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def main(job_class: type[GradingJob], argv=None) -> None:

@@ -164,8 +164,8 @@ def _no_process_outlives_its_test(request, _no_process_outlives_the_session):
 
 # --- gradings that share their launches ---------------------------------------------------------------------
 BATCH_TIMEOUT_S = 3600  # the first grading of an exercise launches its whole batch
-# Other submissions an exercise's batch grades, after its mutants: tests/submissions/<exercise>/<name>.py, its report
-# graded_batch(exercise)[name]
+# Other submissions an exercise's batch grades, after its mutants: tests/submissions/<exercise>/<name>.py, whose
+# report is graded_batch(exercise)[name]
 SUBMISSIONS = Path(__file__).resolve().parent / "submissions"
 
 
@@ -179,8 +179,8 @@ def graded(exercise: str) -> list:
 def grade_batch(tmp_path_factory):
     """batch(exercise) -> a folder for $GPUCOURSE_GRADE_BATCH: every grading of that exercise in this session
     (its solution, its untouched exercise, each mutant, any of SUBMISSIONS, and the solution again after them)
-    shares one launch per job (gpucourse/tools/grading/records.py, Batch). Tests that use it run in the xdist group `grade-<exercise>`,
-    so one worker launches each batch; the folder is shared by the session's workers all the same."""
+    shares one launch per job (gpucourse/tools/grading/records.py, Batch). Tests that use it run in the xdist
+    group `grade-<exercise>`, so one worker launches each batch; the folder is shared by the session's workers."""
     from gpucourse import exercises
     from gpucourse.tools.grading.plugin import BATCH_FILE
     from tests.mutants import all_mutants

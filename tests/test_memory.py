@@ -276,6 +276,18 @@ def test_saved_bytes_under_full_and_selective_checkpointing_by_hand():
     # the input, and the outputs of the two addmm (4 x 5 and 4 x 2) that the policy keeps; ReLU is recomputed
     assert saved.total == 4 * 3 * 4 + 4 * 5 * 4 + 4 * 2 * 4
 
+    class Torch211Context:  # torch 2.11's policy context: no op_output (the policy runs before the op)
+        def __init__(self, ctx):
+            self.is_recompute = ctx.is_recompute
+
+    def as_in_torch_211(policy):
+        return lambda ctx, op, *args, **kwargs: policy(Torch211Context(ctx), op, *args, **kwargs)
+
+    with SavedTensorBytes(exclude=model.parameters()) as old:
+        context = functools.partial(create_selective_checkpoint_contexts, as_in_torch_211(old.recording(save_matmuls)))
+        checkpoint(model, x, use_reentrant=False, context_fn=context).sum().backward()
+    assert old.total == saved.total
+
 
 def test_transformer_layer_counts_match_korthikanti_terms():
     """A nanoGPT layer (chapter 09's) in float32 with attention on the math path (the scores materialised, as in

@@ -126,12 +126,28 @@ class SavedTensorBytes:
             if isinstance(decision, bool):  # torch accepts True/False for save/recompute as well
                 decision = CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
             if not ctx.is_recompute and decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
-                outputs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)
-                for out in outputs:
-                    self._record(out)
+                if hasattr(ctx, "op_output"):
+                    outputs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)
+                    for out in outputs:
+                        self._record(out)
+                else:
+                    self._record_meta(op, args, kwargs)
             return decision
 
         return counted
+
+    def _record_meta(self, op, args, kwargs):
+        """Older torch (2.11) asks the policy before the op runs and shows it no output: run the op on meta
+        tensors for the output's bytes (a view op keeps no memory of its own)."""
+        import torch
+        from torch.utils._pytree import tree_leaves, tree_map
+
+        if op.is_view:
+            return
+        meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+        for out in tree_leaves(op(*tree_map(meta, args), **tree_map(meta, kwargs))):
+            if isinstance(out, torch.Tensor):
+                self._bytes[self._current] = self._bytes.get(self._current, 0) + out.untyped_storage().nbytes()
 
     def _enter_layer(self, index):
         def hook(module, args):

@@ -318,14 +318,14 @@ def main(argv=None) -> None:
                                                                           if not isinstance(p, DTensor)]) if g]
     opt = (torch.optim.AdamW([{"params": g} for g in groups], lr=args.lr, weight_decay=0.0, fused=True)
            if args.fused_optimizer else torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, foreach=False))
-    if args.compile:
-        model.compile()  # in place: the module (and its parameters, state_dict) stays the one built above
     runtime.log(header=True, dp=args.dp, tp=args.tp, dp_mode=args.dp_mode, params=n_params, flops_per_token=fpt,
                 vocab=data.vocab_size, global_batch=args.batch, context=args.context, device=str(ctx.device),
                 backend=ctx.backend, world_size=ctx.world_size, bf16=bf16, train_chars=len(data.train),
                 **{k: True for k, on in (("compiled", args.compile), ("fused_optimizer", args.fused_optimizer)) if on})
     x, y = data.batch("train", args.batch // args.dp, args.context, seed=0)  # any batch: the counts do not vary
     runtime.log(block_all_reduces=count_block_all_reduces(model, x.to(ctx.device), y.to(ctx.device), autocast))
+    if args.compile:  # after the count: a first call under CommDebugMode (a dispatch mode) made Dynamo skip it for good
+        model.compile()  # in place: the module (and its parameters, state_dict) stays the one built above
 
     timed = 0.0
     for step in range(args.steps):

@@ -140,3 +140,25 @@ def test_flops_per_token_is_what_flop_counter_mode_counts(gpt, layers, d_model, 
     linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert gpt.flops_per_token(model) == 6 * linear_weights + 12 * layers * d_model * context  # by hand
     assert gpt.flops_per_token(model, causal=True) == 6 * linear_weights + 6 * layers * d_model * (context + 1)
+
+
+def test_compile_flag_compiles_the_training_steps(tmp_path):
+    """--compile must compile the model the steps call. Compiled before the all-reduce count, its first call ran
+    under CommDebugMode (a dispatch mode), and Dynamo skipped the forward for good: the flag did nothing (seen on
+    an H100 as no speed-up and no compile time). Dynamo's 'eager' backend here: tracing without code generation."""
+    import subprocess
+    import sys
+
+    code = f"""
+import functools, runpy, sys, torch, torch._dynamo.utils as utils
+torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile, backend="eager")
+sys.argv = ["09_gpt_2d.py", "--compile", "--d-model", "32", "--layers", "1", "--heads", "2", "--context", "16",
+            "--batch", "2", "--steps", "2", "--eval-batches", "0", "--sample", "0"]
+runpy.run_path({str(SCRIPT)!r}, run_name="__main__")
+print("FRAMES_OK", utils.counters["frames"]["ok"])
+"""
+    env = {**__import__("os").environ, "GPUCOURSE_RUNS_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    frames = int(out.stdout.split("FRAMES_OK")[-1])
+    assert frames >= 1, f"--compile traced no frame: the model ran eager\n{out.stdout[-2000:]}"

@@ -8,10 +8,10 @@
 #   results.jsonl   one line per check outcome (and per notebook) the moment it is known
 #   log.txt         everything printed
 #   gpu-check-*.md/.json   the report of every outcome in results.jsonl (written at the end)
-#   artifacts.tar.gz       executed notebooks and the logs of failed runs (at the end)
-# Phase 1 runs the priority notebooks (3 at a time) beside the graders; phase 2 runs the timing checks alone
-# on the GPU; phase 3 the older checks and the other notebooks, while the budget lasts. A failing check never
-# stops the others; no check starts once the budget is spent (or when it would not fit).
+#   artifacts.tar.gz       every run's manifest, exit records and logs; notebooks.tar.gz the executed notebooks
+# Phase 1 runs every chapter (09 at default sizes, the others at smoke sizes, 4 at a time) beside the graders,
+# the dry run against the allocator and chapter 05's schedules one by one; phase 2 the capstone's timings alone.
+# A failing check never stops the others; no check starts once the budget is spent (or when it would not fit).
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:-${OUT:?give OUT}}
@@ -39,6 +39,8 @@ for m in ("papermill", "nbclient", "nbformat", "ipykernel", "ipywidgets", "zmq",
 print(f"  torch {torch.__version__}, cuda {torch.cuda.is_available()}, {torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-'}")
 PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+{ env | grep -E '^(TORCH|GLOO|NCCL|CUDA|OMP|PYTORCH)' | sort; python3 -c "import inspect, torch.distributed.pipelining.schedules as s
+print(inspect.getsource(s.PipelineScheduleMulti._initialize_stages))"; } > "$OUT/env.txt" 2>&1
 echo "gpu-run: setup took $(( $(date +%s) - START )) s"
 
 R="$OUT/results.jsonl"
@@ -49,29 +51,26 @@ check() {  # gpucourse gpu-check with the shared deadline and results file; neve
         --report-dir /tmp/gpucheck-reports "$@" || echo "gpu-run: gpu-check $* exited $?"
 }
 
-# --- phase 1: priority notebooks (3 at a time) beside the graders --------------------------------------------
-P1=$((START + BUDGET * 55 / 100))  # phase 1 starts nothing after this; the timing checks need the rest
-( DEADLINE=$P1; check --only notebooks --notebook 02 05 07 08 10 11 --notebook-workers 3 ) &
+# --- phase 1: every chapter (09 at its default sizes, the rest at smoke sizes) beside the CPU-side checks ----------
+P1=$((START + BUDGET * 60 / 100))  # phase 1 starts nothing after this; the timing checks need the rest
+( DEADLINE=$P1; check --only notebooks --notebooks default --notebook 09 ) &
+NB9=$!
+( DEADLINE=$P1; check --only notebooks --notebook 05 07 02 08 12 10 11 00 01 03 04 06 --notebook-workers 4 ) &
 NB=$!
-( DEADLINE=$P1; check --only graders )
-wait $NB
+( DEADLINE=$P1; check --only graders dryrun_memory pipeline_schedules )
+wait $NB9 $NB
 echo "gpu-run: phase 1 done at $(( $(date +%s) - START )) s"
 
 # --- phase 2: alone on the GPU (timings) ------------------------------------------------------------------
-check --only capstone_compiled fp8 gloo_cuda_segv default_sizes
+check --only capstone_compiled
 echo "gpu-run: phase 2 done at $(( $(date +%s) - START )) s"
-
-# --- phase 3: the earlier checks, then the other notebooks, while the budget lasts ----------------------------
-check --only nccl_one_rank gloo_ranks_share_a_gpu nccl_refused_beyond_gpus data_parallel cuda_trace \
-    bf16_autocast_ddp fsdp_memory precision_recipes capstone_mfu
-check --only notebooks --notebook 00 01 03 04 06 09 --notebook-workers 3
-echo "gpu-run: phase 3 done at $(( $(date +%s) - START )) s"
 
 # --- the report and the artifacts ---------------------------------------------------------------------------
 gpucourse gpu-check --report-from "$R" --report-dir "$OUT" || true
-FILES=$(cd / && { ls -d "${REPO#/}/executed/gpu-check" 2>/dev/null; find tmp/runs tmp/gpucheck-grade-* -maxdepth 5 \
+FILES=$(cd / && { find tmp/runs tmp/gpucheck-grade-* -maxdepth 5 \
     \( -name manifest.json -o -name 'exit*.json' -o -name 'agent*.log' -o -name '*.stderr' -o -name '*.stdout' \) \
     -size -1M 2>/dev/null; })
 [ -n "$FILES" ] && (cd / && tar -czf "$OUT/artifacts.tar.gz" $FILES 2>/dev/null)
+(cd "$REPO" && tar -czf "$OUT/notebooks.tar.gz" executed/gpu-check 2>/dev/null)
 ls -la "$OUT"
 echo "gpu-run: done in $(( $(date +%s) - START )) s"

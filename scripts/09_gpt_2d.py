@@ -328,14 +328,18 @@ def main(argv=None) -> None:
         model.compile()  # in place: the module (and its parameters, state_dict) stays the one built above
 
     timed = 0.0
+    cuda = ctx.device.type == "cuda"
     for step in range(args.steps):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()  # each step's own allocator peak (what a dry run predicts)
         start = time.perf_counter()
         loss = train_step(model, opt, data, args, step, mesh, autocast)
-        if ctx.device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         timed += seconds if step >= args.warmup_steps else 0.0
-        runtime.log(step=step, total=args.steps, loss=loss, seconds=seconds)
+        runtime.log(step=step, total=args.steps, loss=loss, seconds=seconds,
+                    **({"cuda_peak_bytes": torch.cuda.max_memory_allocated()} if cuda else {}))
     timed_steps = max(args.steps - args.warmup_steps, 0)
     tokens_per_s = timed_steps * args.batch * args.context / timed if timed > 0 else math.nan
     memory = state_bytes(model, opt)  # now, while the gradients of the last step are still there

@@ -824,13 +824,66 @@ def check_default_sizes():
     return res03.ok and res07.ok and bool(steps) and bool(rows), text, figures, res07
 
 
+def check_dryrun_memory(d_model: int = 1024, layers: int = 8, heads: int = 16, context: int = 1024, batch: int = 16,
+                        steps: int = 3, modes=("allreduce", "fsdp")):
+    """The dry run's predicted peak (`gpucourse dryrun --fake-tensors`, world 1, on the CPU) against the capstone's
+    real step on the GPU (1 rank, NCCL, bf16 autocast): torch.cuda.max_memory_allocated of its last step."""
+    from ..run.dryrun import dryrun
+
+    figures, texts, last = {}, [], None
+    for mode in modes:
+        args = ["--dp-mode", mode, "--d-model", d_model, "--layers", layers, "--heads", heads, "--context", context,
+                "--batch", batch, "--steps", steps, "--warmup-steps", 0, "--dtype", "bfloat16", "--eval-batches", 0,
+                "--sample", 0]
+        res = last = _launch(SCRIPTS / "09_gpt_2d.py", nproc=1, backend="nccl", name=f"gpucheck-dryrun-{mode}",
+                             timeout=240, args=args)
+        real = [m["cuda_peak_bytes"] for m in res.metrics.get(0, []) if "cuda_peak_bytes" in m]
+        try:
+            report = dryrun(SCRIPTS / "09_gpt_2d.py", world=1, args=args, fake_tensors=True, timeout=300)
+            rank = report["ranks"][0]
+            predicted, parts = rank["peak_bytes"], rank["memory"]
+        except Exception as err:  # the dry run's own failure is this mode's result, not the check's crash
+            predicted, parts = None, {"error": f"{type(err).__name__}: {err}"[:500]}
+        fig = {"sizes": dict(d_model=d_model, layers=layers, heads=heads, context=context, batch=batch),
+               "real_step_peaks": real, "predicted_peak": predicted, "predicted_parts": parts,
+               "run_error": _failed_run(res)}
+        if real and predicted:
+            fig["predicted_over_real"] = predicted / real[-1]
+            texts.append(f"{mode}: predicted {human_bytes(predicted)}, allocator {human_bytes(real[-1])} "
+                         f"(last of {len(real)} steps): {fig['predicted_over_real']:.3f}x")
+        else:
+            texts.append(f"{mode}: FAILED ({fig['run_error'] or parts.get('error', 'no peak logged')})")
+        figures[mode] = fig
+    ok = all("predicted_over_real" in f for f in figures.values())
+    return ok, "; ".join(texts), figures, last
+
+
+V_OR_NOT = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def check_pipeline_schedules(schedules=V_OR_NOT, nproc: int = 2):
+    """Chapter 05's schedules script, one launch per schedule (2 gloo ranks on the CPU, as the chapter runs it
+    beside a GPU): which schedules run on this machine's torch. The 2026-11-26 run stopped in a schedule's first
+    batch_isend_irecv ('Pair is not connected') without saying which schedule."""
+    figures, last = {}, None
+    for name in schedules:
+        res = last = _launch(SCRIPTS / "05_schedules.py", nproc=nproc, name=f"gpucheck-05-{name}", timeout=120,
+                             args=["--schedules", name, "--micro", "4", "--work-ms", "1", "--steps", "1"])
+        figures[name] = {"status": res.status, "error": _failed_run(res)}
+    failed = [k for k, v in figures.items() if v["status"] != "ok"]
+    text = (f"{len(schedules) - len(failed)} of {len(schedules)} schedules ran at {nproc} ranks"
+            + (f"; failed: {', '.join(failed)} ({figures[failed[0]]['error'][:300]})" if failed else ""))
+    return not failed, text, figures, last
+
+
 CHECKS = {"notebooks": check_notebooks, "graders": check_graders, "capstone_compiled": check_capstone_compiled,
           "fp8": check_fp8, "gloo_cuda_segv": check_gloo_cuda_segv, "default_sizes": check_default_sizes,
           "nccl_one_rank": check_nccl_one_rank, "gloo_ranks_share_a_gpu": check_gloo_ranks_share_a_gpu,
           "nccl_refused_beyond_gpus": check_nccl_refused_beyond_gpus, "cuda_trace": check_cuda_trace,
           "data_parallel": check_data_parallel, "bf16_autocast_ddp": check_bf16_autocast_ddp,
           "fsdp_memory": check_fsdp_memory, "precision_recipes": check_precision_recipes,
-          "capstone_mfu": check_capstone_mfu}
+          "capstone_mfu": check_capstone_mfu, "dryrun_memory": check_dryrun_memory,
+          "pipeline_schedules": check_pipeline_schedules}
 
 
 def run_check(name: str, **kwargs) -> Outcome:

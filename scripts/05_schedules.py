@@ -38,6 +38,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.profiler import record_function
 
 from gpucourse import runtime
+from gpucourse.run import hardware
 
 # float64: the pipeline adds the micro-batch gradients in another order than the unsplit model, which moves
 # float64 results by ~1e-16 relative; 1e-10 leaves room for that and still catches any real mistake (a missing
@@ -46,6 +47,9 @@ TOL = 1e-10
 # The schedules this script places stages for (get_schedule_class knows more: LoopedBFS, DualPipeV, ...).
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 V_SHAPED = {"ZBVZeroBubble", "DualPipeV"}  # 2 stages per rank: r and 2p-1-r
+# torch 2.11 starts a V-shaped schedule by sending between the two stages one rank holds, to itself: gloo refuses
+# ("Pair is not connected") and the job dies. 2.12 keeps that exchange local (both seen on CPU ranks, gloo).
+V_SHAPED_SINCE = (2, 12)
 
 
 def make_model(n_blocks: int, width: int) -> nn.Sequential:
@@ -132,6 +136,9 @@ class TimedStage(PipelineStage):
 
 def run(name, full, ctx, args, m, x, y):
     """Build the stages and the schedule, run --steps steps (the last profiled); return the record to log."""
+    if name in V_SHAPED and hardware.torch_release() < V_SHAPED_SINCE:  # every rank alike: nothing is sent
+        return {"error": f"needs torch >= {'.'.join(map(str, V_SHAPED_SINCE))} (this is {torch.__version__}: its "
+                         "V-shaped schedules send a rank's stage to itself at the start, which gloo refuses)"}
     rank, p, v = ctx.rank, ctx.world_size, args.virtual
     indices = stages_of(name, rank, p, v)
     n_stages = p * len(indices)

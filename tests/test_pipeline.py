@@ -100,3 +100,24 @@ def test_action_overheads_timeline_idle_and_chunk_activations():
             ("DualPipeV", 1): {0: {"error": "ValueError: needs m >= 2p"}}}
     rows = pipeline.chunk_activation_rows(runs, p=2)
     assert [(r["rank"], r["formula"], r["matches"]) for r in rows] == [(0, 2, True), (1, 1, False)]
+
+
+def test_v_shaped_schedules_are_refused_before_any_send_on_a_torch_that_sends_a_stage_to_itself(monkeypatch):
+    """torch 2.11 starts ZBVZeroBubble and DualPipeV with a send from a rank to itself, which kills a gloo job
+    ("Pair is not connected": seen on a GPU machine's 2.11 and here on CPU): 05_schedules.py records why instead,
+    before it builds a stage (no process group here: any send would fail)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from gpucourse.run import hardware
+
+    from .conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("schedules_05", ROOT / "scripts" / "05_schedules.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert hardware.torch_release("2.11.0+cu130") == (2, 11) < script.V_SHAPED_SINCE <= hardware.torch_release("2.12.0")
+    monkeypatch.setattr(hardware, "torch_release", lambda version=None: (2, 11))
+    ctx, args = SimpleNamespace(rank=0, world_size=2), SimpleNamespace(virtual=2)
+    for name in script.V_SHAPED:
+        assert "needs torch >= 2.12" in script.run(name, None, ctx, args, 4, None, None)["error"]

@@ -86,13 +86,19 @@ def platform_name() -> str:
 TESTED_TORCH = ("2.11", "2.13.0")
 
 
+def torch_release(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of `version` (default: the torch imported here): '2.11.0+cu130' -> (2, 11)."""
+    if version is None:
+        import torch
+
+        version = torch.__version__
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
 def torch_note(version: str) -> str:
     """'' for a tested torch, else what to expect (a development build counts as its release)."""
-    def key(v: str) -> tuple[int, ...]:
-        return tuple(int(part) for part in v.split("+")[0].split(".")[:2])
-
     low, high = TESTED_TORCH
-    if key(low) <= key(version) <= key(high):
+    if torch_release(low) <= torch_release(version) <= torch_release(high):
         return ""
     return f" — untested: the course is tested on torch {low} to {high}; expect a chapter here or there to differ"
 

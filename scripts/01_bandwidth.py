@@ -38,8 +38,8 @@ def make_call(op, numel):
     shard = torch.zeros(numel // world, device=device)
     return {"all_reduce": lambda: dist.all_reduce(full),
             "broadcast": lambda: dist.broadcast(full, src=0),
-            "all_gather": lambda: dist.all_gather_single(full, shard),  # = all_gather_into_tensor
-            "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full)}[op]  # = reduce_scatter_tensor
+            "all_gather": lambda: runtime.all_gather_single(full, shard),  # dist's, whatever torch names it
+            "reduce_scatter": lambda: runtime.reduce_scatter_single(shard, full)}[op]
 
 
 def timed(call):

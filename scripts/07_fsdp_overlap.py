@@ -55,7 +55,8 @@ class CommCounter:
     def __init__(self):
         self.calls, self.on = [], False
         for name in COUNTED:
-            setattr(dist, name, self._wrap(name, getattr(dist, name)))
+            if hasattr(dist, name):  # torch 2.11 has no *_single names: its fully_shard calls the older ones
+                setattr(dist, name, self._wrap(name, getattr(dist, name)))
 
     def _wrap(self, name, real):
         def counted(*args, **kwargs):

@@ -182,7 +182,7 @@ for step in range(start, args.steps):
     mean = loss.detach().clone()
     dist.all_reduce(mean, group=dp_group)  # every slice is the same size: the global batch's loss
     seen = torch.empty(args.batch, dtype=torch.int64)
-    dist.all_gather_single(seen, mine, group=dp_group)  # the ids the data-parallel ranks actually used
+    runtime.all_gather_single(seen, mine, group=dp_group)  # the ids the data-parallel ranks actually used
     runtime.log(step=step, total=args.steps, loss=runtime.value(mean / dp), ids=seen.tolist(),
                 layout=args.layout, world=world)
     if step == args.save_at:

@@ -73,3 +73,21 @@ def test_a_gpu_without_bf16_compute_trains_in_fp16_with_a_scaler(monkeypatch, bf
     assert dtype == getattr(torch, want) and asked == [False]  # emulated bf16 does not count
     assert runtime.grad_scaler(dtype, "cpu").is_enabled() == (want == "float16")
     assert runtime.amp_dtype("cpu") == torch.bfloat16 and not runtime.grad_scaler(torch.bfloat16, "cpu").is_enabled()
+
+
+@pytest.mark.parametrize("name, old", [("all_gather_single", "all_gather_into_tensor"),
+                                       ("reduce_scatter_single", "reduce_scatter_tensor")])
+def test_tensor_collectives_take_torch_211s_names_where_the_new_ones_are_missing(monkeypatch, name, old):
+    """torch 2.13 calls them *_single (the old names deprecated); 2.11 has only the old ones. The scripts call
+    runtime's, which looks the name up at each call (so a wrapper on torch.distributed's name still counts it)."""
+    import torch.distributed as dist
+
+    from gpucourse import runtime
+
+    calls = []
+    monkeypatch.setattr(dist, old, lambda out, inp, **kw: calls.append((old, kw)))
+    monkeypatch.setattr(dist, name, lambda out, inp, **kw: calls.append((name, kw)), raising=False)
+    getattr(runtime, name)(None, None, group="g")
+    monkeypatch.delattr(dist, name)
+    getattr(runtime, name)(None, None, group="g")
+    assert calls == [(name, {"group": "g"}), (old, {"group": "g"})]

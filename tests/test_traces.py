@@ -443,3 +443,12 @@ def test_all_reduces_per_step_counts_calls_and_bytes_inside_each_step(tmp_path):
     path.write_text(json.dumps({"traceEvents": [step(1, 0, 100)]}))
     with pytest.raises(TraceError, match="no all_reduce events"):
         all_reduces_per_step(path)
+
+
+def test_last_sized_step_skips_a_last_step_whose_bytes_the_trace_lost():
+    """torch 2.11 writes the last gloo all_reduce of a profiled run without its args: that step's bytes are None."""
+    from gpucourse.models.traces import last_sized_step
+
+    assert last_sized_step([(3, 96), (3, 96), (3, None)]) == (3, 96)
+    assert last_sized_step([(3, 96), (3, 128)]) == (3, 128)
+    assert last_sized_step([(1, None), (1, None)]) == (1, None)  # no sizes at all (gloo on CUDA tensors)

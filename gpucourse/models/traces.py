@@ -522,6 +522,12 @@ def _all_reduce_bytes(event: dict) -> int | None:
     return None
 
 
+def last_sized_step(steps: list[tuple[int, int | None]]) -> tuple[int, int | None]:
+    """The last (calls, bytes) of all_reduces_per_step whose bytes the trace recorded, else the last: torch 2.11
+    leaves the args off the last gloo all_reduce of a profiled run (its work ends after the profiler stops)."""
+    return next((step for step in reversed(steps) if step[1] is not None), steps[-1])
+
+
 def all_reduces_per_step(path: str | Path) -> list[tuple[int, int | None]]:
     """[(all_reduce calls, bytes)] for each profiled step (`ProfilerStep#N` window) of one rank's chrome trace.
 

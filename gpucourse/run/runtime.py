@@ -80,6 +80,17 @@ def value(tensor) -> float | None:
     return tensor.item() if isinstance(tensor, torch.Tensor) else float(tensor)
 
 
+def all_gather_single(output, input, **kwargs):
+    """dist.all_gather_single (torch 2.13; its old name, all_gather_into_tensor, deprecated there, is all that torch
+    2.11 has). Looked up at each call, so whatever wraps torch.distributed's name counts it."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, input, **kwargs)
+
+
+def reduce_scatter_single(output, input, **kwargs):
+    """dist.reduce_scatter_single (torch 2.13), or reduce_scatter_tensor on torch 2.11 (all_gather_single's note)."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, **kwargs)
+
+
 def assume(text: str) -> None:
     """State an assumption a dry run's figures rest on, where the script supplies what the fake group cannot (the
     counts an MoE layer would receive, say): the dry run reports it beside the figures. Nothing outside a dry run."""

@@ -4,7 +4,11 @@
 #   bash docs/gpu-run.sh [OUT] [BUDGET_S]      OUT defaults to $OUT, BUDGET_S to 520
 #
 # Needs the wheels in .whl/ (papermill, ipykernel, ipywidgets, nbformat, nbclient and what they need that the
-# machine lacks; see docs/gpu-report-2026-11-25.md). Writes into OUT, as it goes:
+# machine lacks: docs/gpu-wheels.txt, for its Python 3.12), fetched here once with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -r docs/gpu-wheels.txt
+# Writes into OUT, as it goes:
 #   results.jsonl   one line per check outcome (and per notebook) the moment it is known
 #   log.txt         everything printed
 #   gpu-check-*.md/.json   the report of every outcome in results.jsonl (written at the end)

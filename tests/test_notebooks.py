@@ -26,8 +26,8 @@ def test_there_are_notebooks():
 CHECKED = [p for p in NOTEBOOKS if any(CHECK_MARK in c.source for c in _cells(p))]
 
 
-# chapters whose smoke runs other tests read (test_reshard and test_restarts: 08; test_forensics: 08b)
-SHARED = {"08_multinode_faults_hangs", "08b_hangs_and_desyncs"}
+# chapters whose smoke runs other tests read (test_reshard, test_restarts: 08; test_forensics: 08b; test_capstone: 09)
+SHARED = {"08_multinode_faults_hangs", "08b_hangs_and_desyncs", "09_capstone_2d_parallel"}
 
 
 @pytest.mark.notebook

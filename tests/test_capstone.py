@@ -1,7 +1,8 @@
 """Chapter 09's script: a GPT trained on a dp x tp mesh computes what one process computes on the whole batch.
 
 The reference is trained here, in the test process, with a loop written independently of the script's
-(plain model, no process group): same seed, same global batches, same optimizer. The jobs run side by side.
+(plain model, no process group): same seed, same global batches, same optimizer. The 2 x 2 run is chapter 09's own
+(its smoke run, which CI executes anyway: `smoke_chapter`); the other meshes are launched here, side by side.
 """
 import importlib.util
 from types import SimpleNamespace
@@ -10,14 +11,20 @@ import pytest
 import torch
 
 import gpucourse
+from gpucourse.tools.course import smoke_parameters
 
-from .conftest import ROOT
+from .conftest import ROOT, chapter, chapter_run
 
-pytestmark = pytest.mark.xdist_group("capstone")  # one worker: the launches its tests share are made once
+CHAPTER = ROOT / "notebooks" / "09_capstone_2d_parallel.ipynb"
+pytestmark = chapter(CHAPTER.stem)  # one worker: the chapter and the launches its tests share are run once
 
 SCRIPT = ROOT / "scripts" / "09_gpt_2d.py"
-STEPS, TOL = 5, 1e-4
+STEPS, TOL = smoke_parameters(CHAPTER)["STEPS"], 1e-4  # the steps of the chapter's smoke runs, and so of ours
 MESHES = [(2, 2, "fsdp"), (1, 2, "fsdp"), (2, 1, "allreduce")]  # (dp, tp, how the dp dimension is done)
+FROM_CHAPTER = {(2, 2, "fsdp"): "09-gpt-2x2-fsdp"}  # meshes chapter 09's smoke run trains: its runs are read
+# What a run's arguments set that shapes its losses and counts (the rest: timing, profiling, text sample, evaluation)
+TRAINING = ("dp", "tp", "dp_mode", "layers", "d_model", "heads", "context", "batch", "steps", "lr", "dtype", "data",
+            "seed")
 
 
 def load_script():
@@ -44,18 +51,30 @@ def reference_losses(gpt, args) -> list[float]:
     return losses
 
 
+def train_args(mesh) -> list[str]:
+    dp, tp, mode = mesh
+    return ["--dp", str(dp), "--tp", str(tp), "--dp-mode", mode, "--steps", str(STEPS), "--warmup-steps", "1",
+            "--eval-batches", "0", "--sample", "0"]
+
+
 def train(mesh):
     dp, tp, mode = mesh
     return gpucourse.launch(SCRIPT, nproc=dp * tp, timeout=240, name=f"capstone-{dp}x{tp}-{mode}",
-                            args=["--dp", str(dp), "--tp", str(tp), "--dp-mode", mode, "--steps", str(STEPS),
-                                  "--warmup-steps", "1", "--eval-batches", "0", "--sample", "0"],
-                            env={"OMP_NUM_THREADS": "1"}, check=False)
+                            args=train_args(mesh), env={"OMP_NUM_THREADS": "1"}, check=False)
 
 
 @pytest.fixture(scope="module")
-def runs(launched):
-    """The three meshes' runs, launched side by side once."""
-    return dict(zip(MESHES, launched(train, *MESHES, parallel=len(MESHES))))
+def runs(launched, smoke_chapter, gpt):
+    """The three meshes' runs: the chapter's where it makes one, the others launched side by side once."""
+    own = [mesh for mesh in MESHES if mesh not in FROM_CHAPTER]
+    found = dict(zip(own, launched(train, *own, parallel=len(own))))
+    _, folder = smoke_chapter(CHAPTER)
+    for mesh, name in FROM_CHAPTER.items():
+        found[mesh] = chapter_run(folder, name)
+        ran, ours = (vars(gpt.parse_args(a)) for a in (found[mesh].manifest["args"], train_args(mesh)))
+        assert {k: ran[k] for k in TRAINING} == {k: ours[k] for k in TRAINING}, (
+            f"chapter 09's {name} no longer trains what this test's {mesh} run would: align its smoke sizes")
+    return found
 
 
 @pytest.fixture(scope="module")

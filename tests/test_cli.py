@@ -1,20 +1,34 @@
 """The `gpucourse` command: same launcher, shell exit codes, one-line errors (never a traceback)."""
 import pytest
 
-from .conftest import JOBS, run_cli, run_processes
+from .conftest import JOBS, RUNS_ENV, run_cli, run_processes
 
 WORKER = str(JOBS / "worker.py")
+LAUNCHES = pytest.mark.xdist_group("cli-launches")  # the tests that read `launches`: one worker launches them once
 
 
-def test_launch_success_streams_ranks_and_exits_zero(runs_dir):
-    out = run_cli("launch", WORKER, "-n", "2", "--", "--steps", "2")
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """A job that succeeds, then one whose rank 1 fails, launched with `gpucourse launch` into a runs folder of
+    their own: (the successful command's output, the failed one's, the folder)."""
+    env = {RUNS_ENV: str(tmp_path_factory.mktemp("cli-runs"))}
+    ok = run_cli("launch", WORKER, "-n", "2", "--", "--steps", "2", env=env)
+    failed = run_cli("launch", WORKER, "-n", "2", "-q", "--", "--fail-rank", "1", "--steps", "4", "--step-time", "0.2",
+                     env=env)
+    return ok, failed, env
+
+
+@LAUNCHES
+def test_launch_success_streams_ranks_and_exits_zero(launches):
+    out = launches[0]
     assert out.returncode == 0, out.stderr
     assert "[rank 1] rank 1 step 1 sum 3" in out.stdout
     assert "finished" in out.stdout
 
 
-def test_launch_failure_exits_one_with_root_cause(runs_dir):
-    out = run_cli("launch", WORKER, "-n", "2", "-q", "--", "--fail-rank", "1", "--steps", "4", "--step-time", "0.2")
+@LAUNCHES
+def test_launch_failure_exits_one_with_root_cause(launches):
+    out = launches[1]
     assert out.returncode == 1
     assert "rank 1 failed (exit code 1): ValueError: deliberate failure on rank 1" in out.stderr
 
@@ -62,15 +76,14 @@ def test_nccl_without_gpus_is_refused(runs_dir):
     assert out.returncode == 2 and "NCCL needs one GPU per rank" in out.stderr and "gloo" in out.stderr
 
 
-def test_runs_lists_status_and_root_cause(runs_dir):
-    run_cli("launch", WORKER, "-n", "2", "-q", "--", "--steps", "1")
-    run_cli("launch", WORKER, "-n", "2", "-q", "--", "--fail-rank", "0", "--steps", "3", "--step-time", "0.2")
-    out = run_cli("runs")
+@LAUNCHES
+def test_runs_lists_status_and_root_cause(launches):
+    out = run_cli("runs", env=launches[2])
     assert out.returncode == 0
     lines = out.stdout.splitlines()[1:]
     assert len(lines) == 2
     assert " ok " in lines[0] and " failed " in lines[1]
-    assert "rank 0 failed" in lines[1]
+    assert "rank 1 failed" in lines[1]
 
 
 def test_doctor_reports_hardware_and_runs_smoke_job(runs_dir):

@@ -1,29 +1,30 @@
-"""Chapter 10's script (scripts/10_context_parallel.py): the frontier parts, one shared 2-rank launch at tiny sizes
-(grouped-query all-gather, Ulysses × ring, a model trained under CP, a ring step timed), and the USP layout in
-this process."""
+"""Chapter 10's script (scripts/10_context_parallel.py): the frontier parts (grouped-query all-gather, Ulysses ×
+ring, a model trained under CP, a ring step timed) of chapter 10's own 2-rank run (its smoke run, which CI executes
+anyway: `smoke_chapter`), and the USP layout in this process."""
 import pytest
 import torch
 
-from gpucourse import costs, exercises, launch
+from gpucourse import costs, exercises
+from gpucourse.tools.course import smoke_parameters
 
-from .conftest import ROOT
+from .conftest import ROOT, chapter, chapter_run
 
-pytestmark = pytest.mark.xdist_group("context-parallel")  # one worker: the launches its tests share are made once
+CHAPTER = ROOT / "notebooks" / "10_context_parallel.ipynb"
+pytestmark = chapter(CHAPTER.stem)  # one worker: the chapter is run once
 
 SCRIPT = ROOT / "scripts" / "10_context_parallel.py"
-HEADS, KV_HEADS, SEQ, HEAD_DIM = 4, 1, 16, 4
-
-
-def frontier(parts):
-    return launch(SCRIPT, nproc=2, name="test-10-frontier", timeout=180, live=False, env={"OMP_NUM_THREADS": "1"},
-                  args=["--seq", SEQ, "--heads", HEADS, "--kv-heads", KV_HEADS, "--head-dim", HEAD_DIM,
-                        "--only", parts])
+# The chapter's run at its smoke sizes; HEADS and KV_HEADS are its parameters cell's (KV_HEADS < HEADS: GQA)
+HEADS, KV_HEADS, SEQ, HEAD_DIM = 4, 2, smoke_parameters(CHAPTER)["SEQ"], smoke_parameters(CHAPTER)["HEAD_DIM"]
 
 
 @pytest.fixture(scope="module")
-def run(launched):
-    (result,) = launched(frontier, "gqa,usp,training,ring_step")
+def run(smoke_chapter):
+    _, folder = smoke_chapter(CHAPTER)
+    result = chapter_run(folder, "10-context-parallel-2")
     assert result.ok, result.summary()
+    args = result.manifest["args"]
+    given = {flag: int(args[args.index(flag) + 1]) for flag in ("--heads", "--kv-heads", "--seq", "--head-dim")}
+    assert given == {"--heads": HEADS, "--kv-heads": KV_HEADS, "--seq": SEQ, "--head-dim": HEAD_DIM}, given
     return result
 
 

@@ -1,5 +1,5 @@
 """Chapter 11's capacity rules (scripts/11_moe.py, kept_mask, on ex11's reference kept_assignments): which
-assignments an expert over capacity keeps."""
+assignments an expert over capacity keeps; and the frontier modes, read from chapter 11's own run of them."""
 import importlib.util
 
 import pytest
@@ -7,7 +7,10 @@ import torch
 
 from gpucourse import exercises
 
-from .conftest import RUNS_ENV, ROOT
+from .conftest import ROOT, chapter, chapter_run
+
+CHAPTER = ROOT / "notebooks" / "11_expert_parallel.ipynb"
+pytestmark = chapter(CHAPTER.stem)  # one worker: the chapter is run once
 
 EXPERTS, TOKENS, TOP_K = 8, 64, 2
 
@@ -80,29 +83,33 @@ def test_rules_agree_with_top_1_and_without_capacity(moe, layers):
         moe.kept_mask(layer, ids, 4, "random")
 
 
-# --- the frontier modes, run for real: one launch of 4 gloo ranks shared by the tests below --------------
-WORLD, SMOKE = 4, {"tokens": 16, "hidden": 8, "ffn": 16, "experts": 8, "top_k": 2}
+# --- the frontier modes, run for real: chapter 11's run 11-frontier (its smoke run, which CI executes anyway:
+# `smoke_chapter`), read by the tests below. At the chapter's smoke sizes, on its smoke world size.
+SMOKE = {"tokens": 16, "hidden": 8, "ffn": 16, "experts": 8, "top_k": 2}
 FINE, SHARED, TOL = 2, 1, 1e-5
+# --mode check router balance dropless, with one shared expert and every expert split two ways (16 experts of ffn 8,
+# top 4), a skewed router at capacity factor 1.0, the balancing methods at the script's defaults
+FRONTIER = ["--mode", "check", "router", "balance", "dropless", "--router", "skewed", "--capacity-factor", "1.0",
+            "--shared", str(SHARED), "--fine", str(FINE), "--steps", "40", "--alpha", "0.01", "--lr", "50",
+            "--gamma", "0.01"]
 
 
 @pytest.fixture(scope="module")
-def frontier(tmp_path_factory):
-    """{case: {rank: [records]}} of one launch: --mode check router balance dropless, with one shared expert
-    and every expert split two ways (16 experts of ffn 8, top 4), a skewed router at capacity factor 1.0."""
-    import gpucourse
+def frontier_run(smoke_chapter):
+    _, folder = smoke_chapter(CHAPTER)
+    result = chapter_run(folder, "11-frontier")
+    assert result.ok, result.summary()
+    sizes = [a for k, v in SMOKE.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    assert result.manifest["args"] == ["--impl", str(exercises.solution_files()["ex11_expert_parallel"]), *sizes,
+                                       *FRONTIER], "chapter 11's frontier run is no longer the one these tests read"
+    return result
 
-    sizes = [f"--{k.replace('_', '-')}={v}" for k, v in SMOKE.items()]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(RUNS_ENV, str(tmp_path_factory.mktemp("runs")))
-        result = gpucourse.launch(ROOT / "scripts" / "11_moe.py", nproc=WORLD, timeout=240, live=False,
-                                  env={"OMP_NUM_THREADS": "1"},
-                                  args=["--impl", exercises.solution_files()["ex11_expert_parallel"], *sizes,
-                                        "--mode", "check", "router", "balance", "dropless", "--router", "skewed",
-                                        "--capacity-factor", "1.0", "--shared", str(SHARED), "--fine", str(FINE),
-                                        "--steps", "40"])
-    assert result.ok, result.error
+
+@pytest.fixture(scope="module")
+def frontier(frontier_run):
+    """{case: {rank: [records]}} of chapter 11's frontier run."""
     out: dict = {}
-    for rank, recs in result.metrics.items():
+    for rank, recs in frontier_run.metrics.items():
         for rec in recs:
             if "case" in rec:
                 out.setdefault(rec["case"], {}).setdefault(rank, []).append(rec)
@@ -138,11 +145,12 @@ def test_both_balancing_methods_spread_a_skewed_router_and_only_the_bias_method_
     assert recs["bias"]["select_bias_range"][-1] > 0
 
 
-def test_padding_computes_capacity_rows_and_drops_while_dropless_computes_every_assignment(frontier):
+def test_padding_computes_capacity_rows_and_drops_while_dropless_computes_every_assignment(frontier, frontier_run):
     import math
 
     from gpucourse import costs
 
+    world = frontier_run.world_size
     h, ffn, experts, top_k = SMOKE["hidden"], SMOKE["ffn"] // FINE, SMOKE["experts"] * FINE, SMOKE["top_k"] * FINE
     tokens = SMOKE["tokens"]
     per_token = costs.moe_flops_per_token(h, ffn, experts, top_k, shared=SHARED, training=False)["active"]
@@ -152,13 +160,13 @@ def test_padding_computes_capacity_rows_and_drops_while_dropless_computes_every_
         assert all(max(r["diffs"].values()) <= TOL for r in by_rank.values()), layer
     dropless, padded = recs["dropless"], recs["padded"]
     assert all(r["dropped"] == 0 for r in dropless.values())
-    assert sum(r["flops"] for r in dropless.values()) == WORLD * tokens * per_token  # active parameters, exactly
+    assert sum(r["flops"] for r in dropless.values()) == world * tokens * per_token  # active parameters, exactly
     capacity = padded[0]["capacity"]
     assert capacity == math.ceil(tokens * top_k / experts)
     assert sum(r["dropped"] for r in padded.values()) > 0
     assert all(r["dropped"] == r["dropped_single"] for r in padded.values())
-    rows = experts * capacity  # every rank computes WORLD x capacity rows for each of its experts/WORLD
+    rows = experts * capacity  # every rank computes world x capacity rows for each of its experts/world
     router_and_shared = 2 * tokens * (h * experts + SHARED * 2 * h * ffn)
     assert all(r["flops"] == rows * 2 * 2 * h * ffn + router_and_shared for r in padded.values())
-    sent = (WORLD - 1) * (experts // WORLD) * capacity * h * 4  # equal splits: padding travels too
+    sent = (world - 1) * (experts // world) * capacity * h * 4  # equal splits: padding travels too
     assert all([c["bytes"] for c in r["forward_calls"]] == [sent, sent] for r in padded.values())

@@ -24,6 +24,7 @@ from gpucourse.run.contract import RUNS_ENV
 ROOT = exercises.course_root()
 SOLUTIONS = exercises.solution_files()
 FAST = "ex04_lr_schedule"  # one of the cheapest graders: 3 small jobs (1, 2, 4 ranks), no training to speak of
+CLASS = "ex12_plan_at_scale"  # the cheapest grading: one 1-rank job (and, for a right plan, a 2-rank dry run)
 MARK = "GPUCOURSE_TEST_RELEASE"
 
 
@@ -282,14 +283,14 @@ def test_a_target_file_is_graded_in_the_release(release, tmp_path):
 @pytest.mark.timeout(900)
 def test_class_grading_in_the_release(release, tmp_path):
     """A class graded in the release (no solutions/ there): the solution gets full marks, the untouched exercise 0 on
-    every test (each stopped by the exercise's NotImplementedError), and the class is one batch: each of ex04's jobs
-    (one per world size) is launched once for both learners."""
+    every test (each stopped by the exercise's NotImplementedError), and the class is one batch: ex12's job is
+    launched once for both learners."""
     subs = tmp_path / "submissions"
-    for learner, source in (("alice", SOLUTIONS[FAST]), ("bob", release / "exercises" / f"{FAST}.py")):
+    for learner, source in (("alice", SOLUTIONS[CLASS]), ("bob", release / "exercises" / f"{CLASS}.py")):
         (subs / learner).mkdir(parents=True)
-        shutil.copy(source, subs / learner / f"{FAST}.py")  # alice: the checkout's solution proves full marks
+        shutil.copy(source, subs / learner / f"{CLASS}.py")  # alice: the checkout's solution proves full marks
     grades = tmp_path / "grades.csv"
-    done = release_cli(release, tmp_path, "grade", "ex04", "--class", subs, "--csv", grades, timeout=800)
+    done = release_cli(release, tmp_path, "grade", "ex12", "--class", subs, "--csv", grades, timeout=800)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["learner"]: row for row in csv.DictReader(grades.open())}
     assert set(rows) == {"alice", "bob"}
@@ -298,12 +299,12 @@ def test_class_grading_in_the_release(release, tmp_path):
     assert rows["bob"]["score"] == "0" and rows["bob"]["tests_total"] == rows["alice"]["tests_total"]
     for learner in rows:
         details = json.loads((tmp_path / "grades-details" / f"{learner}.json").read_text())
-        assert details["problems"] == [] and details["files"] == {FAST: str(subs / learner / f"{FAST}.py")}
+        assert details["problems"] == [] and details["files"] == {CLASS: str(subs / learner / f"{CLASS}.py")}
     bob = json.loads((tmp_path / "grades-details" / "bob.json").read_text())
     assert len(bob["tests"]) >= 10 and all(
         t["outcome"] == "failed" and "NotImplementedError" in t["reason"] for t in bob["tests"]), bob
     launched = sorted(run.name.rsplit("-", 2)[0] for run in (tmp_path / "runs").iterdir())
-    assert launched == ["grade-ex04-w1", "grade-ex04-w2", "grade-ex04-w4"], launched
+    assert launched == ["grade-ex12"], launched
 
 
 # A class body in the learner's ex09 file, run wherever the file is executed: it leaves a marker named after where it

@@ -264,9 +264,15 @@ def job(submission) -> JobRecords:
 def case_inputs(job: JobRecords, rec) -> tuple:
     """What the job gave the submission in `rec`'s case: ("fit", sizes, times, n), ("bytes", model),
     ("all_reduce", pairs, alpha, beta), (group, inputs) or ("invalid", name)."""
-    logged = job.records["plan"][rec["rank"]]
-    cases = {case: what for case, _, what in plan(logged["measured"], logged["times"], job.world, MLP())}
-    return cases[rec["case"]]
+    return rank_cases(job, rec["rank"])[rec["case"]]
+
+
+@functools.lru_cache(maxsize=None)
+def rank_cases(job: JobRecords, rank: int) -> dict:
+    """{case: its inputs} of one rank of the job, rebuilt once from the measurements the rank logged (every record
+    of the rank is judged on them: callers must not modify them)."""
+    logged = job.records["plan"][rank]
+    return {case: what for case, _, what in plan(logged["measured"], logged["times"], job.world, MLP())}
 
 
 def judged(job: JobRecords, problem):

@@ -298,7 +298,7 @@ def plan(world: int) -> list[tuple[str, str]]:
     return cases + [(case, ROUTED[case][0]) for case in ("uneven", "uneven-capacity")]
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=None)  # every (case, n, subgroup) of the plan: a smaller cache was refilled per submission
 def expected(case: str, n: int, subgroup: int | None = None) -> list[dict]:
     """What each of the n ranks (of the whole job, or of one subgroup) must produce in `case`: the single-process
     layer on every rank's tokens, in the grader process (tests must not modify it: cached). Per rank: y, x_grad,

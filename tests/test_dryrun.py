@@ -16,7 +16,7 @@ from gpucourse import costs
 from gpucourse.run import dryrun as dr
 from gpucourse.run.contract import COUNT_FILE_ENV
 
-from .conftest import ROOT, run_cli
+from .conftest import ROOT, chapter, chapter_run, run_cli
 
 CAPSTONE = ROOT / "scripts" / "09_gpt_2d.py"
 DDP = ROOT / "scripts" / "03_ddp_train.py"
@@ -56,21 +56,38 @@ if os.environ.get("GPUCOURSE_DRYRUN_ALL_WORLDS") == "1":
 # The step each case reports: the last it logged (--steps 2 from 0; the pipeline counts from 1; chapter 10 trains 3
 # steps); None where the script logs no step (the whole run is one forward and backward)
 LAST_STEP = {"pipeline": 2, "pipeline-4": 2, "dtensor-tp": None, "dtensor-tp-4": None, "context": 2, "context-4": 2}
+# A case whose real run, counted, chapter 12's smoke run makes already ("the same script at world 2, dry and real"):
+# read from it, its counts in its run folder, instead of launched again. The dry run is this module's own.
+CHAPTER = ROOT / "notebooks" / "12_at_scale_on_your_laptop.ipynb"
+FROM_CHAPTER = {"capstone-fsdp": "12-capstone-counted"}
 # One worker runs the module: under pytest-xdist each worker would set the module's fixtures up again (each case's
-# two launches, twice).
-pytestmark = pytest.mark.xdist_group("dryrun")
+# two launches, twice), and the chapter's run would be made again.
+pytestmark = chapter(CHAPTER.stem)
+
+
+def options(args) -> dict:
+    """A script's arguments, all --flag value pairs here, as {flag: value}: the same run whatever their order."""
+    args = [str(a) for a in args]
+    return dict(zip(args[::2], args[1::2]))
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def real_and_dry(request, tmp_path_factory):
+def real_and_dry(request, tmp_path_factory, smoke_chapter):
     """The script at its world, really (gloo, counting) and dry (fake group): (case, launch result, real, dry)."""
-    (script, mesh, world), out = CASES[request.param], tmp_path_factory.mktemp("counts")
+    script, mesh, world = CASES[request.param]
     args = mesh + SMOKE[script]
-    with ThreadPoolExecutor(1) as pool:  # side by side: each spends much of its time starting processes
-        dry = pool.submit(dr.dryrun, script, world=world, ranks=list(range(world)), args=args, timeout=180)
-        result = gpucourse.launch(script, nproc=world, args=args, env={COUNT_FILE_ENV: str(out / "rank{rank}.json")},
-                                  live="off", timeout=180, name=f"count-{request.param}", check=True)
-        dry = dry.result()
+    if request.param in FROM_CHAPTER:
+        result = chapter_run(smoke_chapter(CHAPTER)[1], FROM_CHAPTER[request.param])
+        assert options(result.manifest["args"]) == options(args), f"chapter 12 no longer runs {request.param}"
+        out = result.run_dir / "counts"  # the chapter's $GPUCOURSE_COUNT_FILE: counts/rank{rank}.json, in its run
+        dry = dr.dryrun(script, world=world, ranks=list(range(world)), args=args, timeout=180)
+    else:
+        out = tmp_path_factory.mktemp("counts")
+        with ThreadPoolExecutor(1) as pool:  # side by side: each spends much of its time starting processes
+            dry = pool.submit(dr.dryrun, script, world=world, ranks=list(range(world)), args=args, timeout=180)
+            result = gpucourse.launch(script, nproc=world, args=args, live="off", timeout=180, check=True,
+                                      env={COUNT_FILE_ENV: str(out / "rank{rank}.json")}, name=f"count-{request.param}")
+            dry = dry.result()
     real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     return request.param, result, real, dry["ranks"]
 

@@ -52,7 +52,8 @@ DEVICE_ENV = "GPUCOURSE_DEVICE"
 STORE_PREFIX_ENV = "GPUCOURSE_STORE_PREFIX"
 # `gpucourse dryrun` (run/dryrun.py): DRYRUN_ENV=1 makes runtime.setup() join a fake process group (no peers, no
 # data moved); COUNT_FILE_ENV, in a dry run or a real one, makes each rank count its steps' collectives, memory
-# and FLOPs and write them to that path ("{rank}" in it becomes the rank) when the script ends.
+# and FLOPs and write them to that path ("{rank}" in it becomes the rank; a relative path is in the run folder) when
+# the script ends.
 DRYRUN_ENV = "GPUCOURSE_DRYRUN"
 # With DRYRUN_ENV, FAKE_TENSORS_ENV=1 makes every tensor the rank makes after setup() a FakeTensor: shapes, dtypes
 # and devices, no storage (run/runtime.py's _enter_fake_tensors).

@@ -282,13 +282,14 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
 
 
 def _start_counting(rank: int, world_size: int) -> None:
-    """$GPUCOURSE_COUNT_FILE (gpucourse dryrun, or a real job the tests compare with one): count every step."""
+    """$GPUCOURSE_COUNT_FILE (gpucourse dryrun, or a real job compared with one): count every step. A relative path
+    is in the job's run folder."""
     global _counter
     path = os.environ.get(COUNT_FILE_ENV)
     if path and _counter is None:
         from .dryrun import StepCounter
 
-        _counter = StepCounter(path, rank, world_size, dry=dry_run())
+        _counter = StepCounter(str(default_run_dir() / path), rank, world_size, dry=dry_run())
         atexit.register(_counter.finish)  # a script that never calls teardown() still leaves its counts
 
 

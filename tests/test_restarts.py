@@ -14,9 +14,8 @@ redone) and between two (the steps since the last one are redone), on rank 0 (wh
 and on others. Restarts under gloo used to fail often when workers shared the agent's rendezvous store
 (pytorch#135712; the launcher sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): hence several restarts, not one.
 """
-from pathlib import Path
-
 import os
+from pathlib import Path
 
 import pytest
 import torch

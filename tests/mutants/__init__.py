@@ -13,10 +13,10 @@ Each mutant is the exercise's solution with one plausible learner's mistake, wri
 
 `== name` starts a mutant; the lines up to its first `@@` say what is wrong (the first line in one sentence) and,
 on `must fail:` lines, which grader tests must lose their points (exactly those). `must fail: none` declares a
-variant that must keep every point: a right answer that also attacks the grader process, say. Each `@@` starts a hunk: lines
-kept (` `), removed (`-`) and added (`+`), as in a unified diff, but without line numbers: the kept and removed
-lines must occur exactly once in the solution, where they are replaced by the kept and added ones. So a change to
-the solution touches only the mutants whose lines it changes. An empty line inside a hunk is an empty kept line.
+variant that must keep every point: a right answer that also attacks the grader process, say. Each `@@` starts a
+hunk: lines kept (` `), removed (`-`) and added (`+`), as in a unified diff, but without line numbers: the kept
+and removed lines must occur exactly once in the solution, where they are replaced by the kept and added ones. So
+a change to the solution touches only the mutants whose lines it changes. An empty line inside a hunk is an empty kept line.
 Lines starting with `#` before the first mutant are the file's comments.
 """
 from __future__ import annotations

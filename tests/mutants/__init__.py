@@ -16,8 +16,8 @@ on `must fail:` lines, which grader tests must lose their points (exactly those)
 variant that must keep every point: a right answer that also attacks the grader process, say. Each `@@` starts a
 hunk: lines kept (` `), removed (`-`) and added (`+`), as in a unified diff, but without line numbers: the kept
 and removed lines must occur exactly once in the solution, where they are replaced by the kept and added ones. So
-a change to the solution touches only the mutants whose lines it changes. An empty line inside a hunk is an empty kept line.
-Lines starting with `#` before the first mutant are the file's comments.
+a change to the solution touches only the mutants whose lines it changes. An empty line inside a hunk is an empty
+kept line. Lines starting with `#` before the first mutant are the file's comments.
 """
 from __future__ import annotations
 

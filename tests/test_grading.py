@@ -464,8 +464,8 @@ def test_the_learners_ex09_class_body_runs_in_ranks_never_in_the_grader(name, gr
     keeps full marks (test_mutants), and its class body left marks in every rank of the 2x2, 2x1 and 1x2 meshes and
     none in a grader process."""
     graded_batch(name)  # the batch, graded
-    marks = grade_batch(name) / "class_body_attacks_the_grader" / "marks"
-    where = sorted(p.name.split("-")[0] for p in marks.iterdir())
+    marks = (grade_batch(name) / "class_body_attacks_the_grader").glob("mark-*")  # beside the submission's file
+    where = sorted(p.name.split("-")[1] for p in marks)
     assert "grader" not in where, f"the learner's class body ran in the grader process: {where}"
     assert where == ["rank"] * (4 + 2 + 2), where  # it did run: once in each rank's process for this submission
 

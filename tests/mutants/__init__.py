@@ -11,13 +11,12 @@ Each mutant is the exercise's solution with one plausible learner's mistake, wri
     -            p.grad /= world
     +            pass  # MUTANT: the sum, not the average
 
-`== name` starts a mutant; the lines up to its first `@@` say what is wrong (the first line in one sentence) and,
-on `must fail:` lines, which grader tests must lose their points (exactly those). `must fail: none` declares a
-variant that must keep every point: a right answer that also attacks the grader process, say. Each `@@` starts a
-hunk: lines kept (` `), removed (`-`) and added (`+`), as in a unified diff, but without line numbers: the kept
-and removed lines must occur exactly once in the solution, where they are replaced by the kept and added ones. So
-a change to the solution touches only the mutants whose lines it changes. An empty line inside a hunk is an empty
-kept line. Lines starting with `#` before the first mutant are the file's comments.
+`== name` starts a mutant; the lines up to its first `@@` say what is wrong (the first line in one sentence) and, on
+`must fail:` lines, which grader tests must lose their points (exactly those; `must fail: none`: every point kept).
+Each `@@` starts a hunk: lines kept (` `), removed (`-`) and added (`+`), as in a unified diff, but without line
+numbers: the kept and removed lines must occur exactly once in the solution, where they are replaced by the kept and
+added ones. So a change to the solution touches only the mutants whose lines it changes. An empty line inside a hunk is
+an empty kept line. Lines starting with `#` before the first mutant are the file's comments.
 """
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ class Mutant:
     exercise: str
     name: str
     about: list[str]
-    must_fail: tuple[str, ...]
-    declared: bool = False  # a `must fail:` line was given (`must fail: none`: the tests it loses are none)
+    must_fail: tuple[str, ...] | None  # None until a `must fail:` line (`must fail: none`: the empty tuple)
     hunks: list[tuple[list[str], list[str]]] = field(default_factory=list)  # (old lines, new lines)
 
     @property
@@ -65,7 +63,7 @@ def read_mutants(path: Path) -> list[Mutant]:
             name = line[3:].strip()
             if not re.fullmatch(r"[a-z0-9_]+", name) or any(m.name == name for m in mutants):
                 raise MutantError(f"{where}: a mutant's name is new and in lower_case_with_underscores: {name!r}")
-            mutants.append(Mutant(exercise, name, [], ()))
+            mutants.append(Mutant(exercise, name, [], None))
             hunk = None
         elif not mutants:
             if line.strip() and not line.startswith("#"):
@@ -76,8 +74,7 @@ def read_mutants(path: Path) -> list[Mutant]:
         elif hunk is None:
             if line.startswith("must fail:"):
                 names = tuple(n.strip() for n in line[len("must fail:"):].split(",") if n.strip())
-                mutants[-1].must_fail += () if names == ("none",) else names
-                mutants[-1].declared = True
+                mutants[-1].must_fail = (mutants[-1].must_fail or ()) + (() if names == ("none",) else names)
             elif line.strip():
                 mutants[-1].about.append(line)
         elif line == "" or line[0] in " -+":
@@ -93,7 +90,7 @@ def read_mutants(path: Path) -> list[Mutant]:
             while old and new and old[-1] == new[-1] == "":
                 old.pop()
                 new.pop()
-        if not m.about or not m.declared or not m.hunks or not all(old for old, _ in m.hunks):
+        if not m.about or m.must_fail is None or not m.hunks or not all(old for old, _ in m.hunks):
             raise MutantError(f"{path.name}: mutant {m.name} needs a sentence saying what is wrong, a `must fail:` "
                               f"line and at least one hunk with kept or removed lines")
     return mutants

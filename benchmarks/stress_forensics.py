@@ -1,4 +1,4 @@
-"""Inject random faults into real jobs (the grader's WORLD ranks each), many times, and count the launcher's wrong diagnoses.
+"""Inject random faults into real jobs (the grader's world size), many times; count the launcher's wrong diagnoses.
 
     python benchmarks/stress_forensics.py [--seeds 0 1 2 3 ...]
 

@@ -1,7 +1,7 @@
 """Kill-and-resume through gpucourse.launch: a rank dies by SIGKILL, torchrun restarts the job once, the job
 resumes from its last torch.distributed.checkpoint and ends with exactly the parameters (and logs exactly the
 losses) of an uninterrupted run of the same world size: difference 0, at 2 and 3 ranks (and 4, with
-GPUCOURSE_RESTARTS_ALL_WORLDS=1: ~1 min more, so not in `make test`).
+GPUCOURSE_RESTARTS_ALL_WORLDS=1: ~40 s more on a quiet 2-core machine, so not in `make test`).
 
 At 1 or 2 ranks an all-reduce adds the same numbers in the same order whatever happens (a + b == b + a). From
 3 ranks on, the order in which gloo adds an element's values depends on where the element sits in DDP's gradient

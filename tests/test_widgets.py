@@ -270,5 +270,8 @@ def test_planner_shows_a_plan_refuses_a_bad_one_and_redraws():
     assert "Not a plan" in w.summary.value and "512" in w.summary.value and w.out.outputs == ()
     w.degrees["pp"].value = 8   # 1,024 again
     assert w.plan["layout"]["pp"] == 8 and len(w.out.outputs) == 1
-    w.device_gb.value = 1
+    batch = w.plan["global_batch"]
+    w.gpus.value = 2048  # dp follows the GPU count; the global batch stays
+    assert w.plan["layout"] == {"dp": 32, "tp": 8, "pp": 8, "cp": 1, "ep": 1} and w.plan["global_batch"] == batch
+    w.device_gib.value = 1
     assert "does <b>not</b> fit" in w.summary.value

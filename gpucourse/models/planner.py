@@ -1,42 +1,45 @@
-"""Plan a training job at scale: memory per GPU and a step time for a transformer on dp x tp x pp x cp GPUs, MODELLED.
+"""Plan a training job at scale: memory per GPU and a step-time ESTIMATE for a transformer on dp x tp x pp x cp GPUs.
 
-    plan = planner.plan_parallelism("llama3-405b", gpus=16384, dp=128, tp=8, pp=16, seq=8192, global_batch=2048)
-    plan["fits"], plan["peak_bytes"], plan["step_s"], plan["mfu"]      # every figure modelled, never measured
+    plan = planner.plan_parallelism("llama3-405b", gpus=16384, dp=128, tp=8, pp=16, seq=8192, global_batch=2048,
+                                    schedule="interleaved", virtual_stages=4)
+    plan["fits"], plan["peak_bytes"], plan["step_s"], plan["mfu"], plan["terms"]   # modelled, never measured
 
-Chapter 12's planner (viz/widgets.py, `parallelism_planner`) draws what this returns. Nothing here runs a model:
-the sizes come from a model's published shape (SHAPES) and the cost models of gpucourse.models.costs.
+Chapter 12 draws what this returns (viz/widgets.py, `parallelism_planner`) and reads published runs against it
+(models/published.py). Nothing here runs a model: the sizes come from a model's shape (SHAPES) and the cost models
+of gpucourse.models.costs.
 
-Ranks are laid out as Llama 3 lays them out, [tp, cp, pp, dp] from the innermost: the tp ranks of a group are
-neighbours (one node when tp <= 8), cp groups take the next stride, then pipeline stages, then data-parallel
-replicas. Expert parallelism (MoE shapes only) splits each layer's experts over `ep` ranks of the data-parallel
-group, as Megatron-LM folds it; the tokens then travel by all-to-all.
+Ranks are laid out as Llama 3 lays them out, [tp, cp, pp, dp] from the innermost: a tp group is one node when
+tp <= 8, cp groups take the next stride, then pipeline stages, then data-parallel replicas. Expert parallelism (MoE
+shapes) splits each layer's experts over `ep` ranks of the dp x cp group; an expert's states are then replicated
+over the expert-data-parallel group of dp x cp / ep ranks, and sharded over it by ZeRO.
 
-Memory per GPU, for the first and the last pipeline stage (the heaviest two: the embedding on the first, the
-output head and its logits on the last):
-  model states: bf16 parameters (2 bytes), bf16 gradients (2) and fp32 master weights + Adam's two moments (12),
-    of the parameters the rank holds (its stage's layers / tp, its experts / ep), with ZeRO stage `zero` over the
-    dp x cp ranks that hold the same parameters (costs.zero_memory_bytes);
-  activations: Korthikanti et al. 2022's bytes per layer with tensor and sequence parallelism (s b h (34 + 5 a s /
-    h) / t; selective recomputation keeps 34 s b h / t, full keeps the layer's input, 2 s b h / t), for the
-    micro-batches 1F1B keeps in flight on that stage (costs.pipeline_peak_activations), the sequence split over
-    cp; the last stage adds its fp32 logits (s b V / t x 4). A GPT layer's formula, an approximation for SwiGLU
-    and grouped-query layers;
-  not modelled: NCCL's buffers, the allocator's fragmentation, temporary buffers of the kernels.
-Step time: the FLOPs of one GPU (6 N + 12 L d T per token, costs.model_flops_per_token, plus what recomputation
-runs again) at the device's dense peak (an upper bound: real kernels reach a fraction of it), the pipeline's bubble
-((p - 1) / m of the step), and each dimension's communication, ring alpha-beta on the link its group spans, not
-overlapped with compute except the data-parallel gradient reduction, hidden behind the last micro-batch's backward
-where it fits. Not modelled in time: ZeRO-3's extra all-gathers of the parameters, interleaved or zero-bubble
-schedules, kernels slower than the peak, stragglers.
+Memory per GPU, for the first and the last pipeline stage (the embedding on the first, the head and its logits on
+the last):
+  model states: bf16 parameters (2 bytes), fp32 gradients (4: Megatron-LM and Llama 3 reduce fp32 gradients) and
+    fp32 master weights + Adam's two moments (12), of the parameters the rank holds; ZeRO stage `zero` shards them
+    over the ranks that hold the same parameters (dp x cp; dp x cp / ep for experts). ZeRO-1 is Megatron-LM's
+    distributed optimizer: 6 + 12/d bytes a parameter;
+  activations: per layer and token, what the backward needs (`activation_bytes_per_token`, Korthikanti et al.
+    2022's count generalised to grouped-query attention and 2- or 3-matrix MLPs), for the micro-batches the
+    schedule keeps in flight on that stage (costs.pipeline_peak_activations), plus the last stage's fp32 logits;
+  headroom (`reserved_bytes`): the CUDA context, NCCL's buffers per process group and the caching allocator's
+    fragmentation, against the device's memory in GiB ("80 GB" HBM is 80 GiB).
+Step time, per micro-batch on the slowest stage, then the pipeline: matrix products at the device's sustained
+matmul rate (SUSTAINED, a measurement, not the datasheet peak), attention at a flash-attention rate, memory-bound
+kernels at the HBM bandwidth, TP / CP / EP communication not overlapped (ring alpha-beta on the links each group
+spans), the schedule's bubble, pipeline sends, and the data-parallel reduction overlapped with the last
+micro-batch's backward. Every term is returned in plan["terms"].
 """
 from __future__ import annotations
 
 from . import costs
 
 # Published shapes. Llama 3: "The Llama 3 Herd of Models", Grattafiori et al. 2024 (arXiv 2407.21783), Table 3;
-# SwiGLU MLPs (three matrices) and grouped-query attention (8 key/value heads). Megatron 1T: Narayanan et al.
-# 2021 (arXiv 2104.04473), Table 1's last row: GPT layers (a 4h GELU MLP, two matrices), vocabulary 51,200.
-# Mixtral 8x7B: Jiang et al. 2024 (arXiv 2401.04088), 8 experts, top-2.
+# SwiGLU MLPs (three matrices) and grouped-query attention (8 key/value heads). Megatron GPTs: Narayanan et al.
+# 2021 (arXiv 2104.04473), Table 1: GPT layers (a 4h GELU MLP, two matrices), vocabulary 51,200, the embedding
+# tied to the head (their parameter counts: 39.1 B to 1,008 B). MT-NLG 530B:
+# Smith et al. 2022 (arXiv 2201.11990), section 2: 105 layers, hidden 20,480, 128 heads. Mixtral 8x7B: Jiang et
+# al. 2024 (arXiv 2401.04088), 8 experts, top-2.
 SHAPES = {
     "gpt-1.3b": {"layers": 24, "d_model": 2048, "ffn": 8192, "heads": 16, "kv_heads": 16, "vocab": 51200,
                  "mlp_matrices": 2},
@@ -46,13 +49,50 @@ SHAPES = {
                    "mlp_matrices": 3},
     "llama3-405b": {"layers": 126, "d_model": 16384, "ffn": 53248, "heads": 128, "kv_heads": 8, "vocab": 128256,
                     "mlp_matrices": 3},
+    "megatron-39b": {"layers": 48, "d_model": 8192, "ffn": 32768, "heads": 64, "kv_heads": 64, "vocab": 51200,
+                     "mlp_matrices": 2, "tied": True},
+    "megatron-76b": {"layers": 60, "d_model": 10240, "ffn": 40960, "heads": 80, "kv_heads": 80, "vocab": 51200,
+                     "mlp_matrices": 2, "tied": True},
+    "megatron-146b": {"layers": 80, "d_model": 12288, "ffn": 49152, "heads": 96, "kv_heads": 96, "vocab": 51200,
+                      "mlp_matrices": 2, "tied": True},
+    "megatron-310b": {"layers": 96, "d_model": 16384, "ffn": 65536, "heads": 128, "kv_heads": 128, "vocab": 51200,
+                      "mlp_matrices": 2, "tied": True},
+    "megatron-530b": {"layers": 105, "d_model": 20480, "ffn": 81920, "heads": 128, "kv_heads": 128, "vocab": 51200,
+                      "mlp_matrices": 2, "tied": True},
     "megatron-1t": {"layers": 128, "d_model": 25600, "ffn": 102400, "heads": 160, "kv_heads": 160, "vocab": 51200,
-                    "mlp_matrices": 2},
+                    "mlp_matrices": 2, "tied": True},
     "mixtral-8x7b": {"layers": 32, "d_model": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "vocab": 32000,
                      "mlp_matrices": 3, "experts": 8, "top_k": 2},
 }
-BYTES = {"param": 2, "grad": 2, "optimizer": 12}  # bf16 weights and gradients; fp32 master, Adam's m and v
 RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "dualpipev")
+ATTENTION = ("flash", "unfused")
+BYTES = {"param": 2, "grad": 4, "optimizer": 12}  # bf16 weights, fp32 gradients; fp32 master, Adam's m and v
+
+GiB = 2 ** 30
+# What a device sustains, measured, not its datasheet peak (costs.PEAK_DENSE_TFLOPS), in FLOP/s and bytes/s:
+#   matmul: bf16 matrix products at their best shape, "Maximum Achievable Matmul FLOPS" (MAMF) measured with
+#     torch.matmul: A100 SXM 267.9 TFLOP/s (85.9 % of 312), H100 SXM 792.1 (80.1 % of 989). S. Bekman,
+#     Machine Learning Engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison
+#     table" (github.com/stas00/ml-engineering).
+#   attention: flash attention's forward + backward, counted the flash-attention way (causal half, backward 2.5x
+#     the forward): FlashAttention-2 (Dao 2023, arXiv 2307.08691, section 4.1) reaches about 190 TFLOP/s on an
+#     A100 and about 335 on an H100 at head size 128.
+#   hbm: the datasheet's memory bandwidth (A100 SXM 80GB 2.04 TB/s, H100 SXM 3.35 TB/s): memory-bound kernels.
+SUSTAINED = {
+    "NVIDIA A100-SXM4-80GB": {"matmul": 267.9e12, "attention": 190e12, "hbm": 2.039e12},
+    "NVIDIA H100 80GB HBM3": {"matmul": 792.1e12, "attention": 335e12, "hbm": 3.35e12},
+}
+KERNEL_EFFICIENCY = 0.75
+# Memory the training tensors cannot have (reserved_bytes): the CUDA context with cuBLAS' and NCCL's own
+# allocations (about 1 GiB), NCCL's buffers per communicator (NCCL_BUFFSIZE 4 MiB x channels x peers: a few
+# hundred MiB a group), and the caching allocator's fragmentation (a share of what is allocated).
+CUDA_CONTEXT_BYTES = 1 * GiB
+NCCL_BYTES_PER_GROUP = 0.5 * GiB
+FRAGMENTATION = 0.10
+# Memory-bound kernels (norms, activations, rotary, residual adds; fp32 softmax of unfused attention): bytes they
+# read and write per token and layer, forward; the backward moves about twice that.
+_ELEMENTWISE_FORWARD = {"per_d_model": 24, "per_ffn": 4}
 
 
 def _whole(value, name, low=1):
@@ -75,9 +115,11 @@ def shape_of(model) -> dict:
 
 def shape_params(model) -> dict:
     """Parameters of a shape: {"layer_dense" (attention, and the MLP of a dense model), "layer_experts" (all the
-    experts of one MoE layer), "embedding", "head", "total", "matmul" (what takes part in matrix products: every
-    layer weight an average token meets, and the head; costs.model_flops_per_token's N)}. Norms and biases: left
-    out (a few d_model per layer)."""
+    experts of one MoE layer, and its router), "layer_active" (what one token meets in a layer: attention and top_k
+    experts), "embedding", "head", "total", "matmul" (what takes part in matrix products for an average token:
+    every layer's active weights and the head; costs.model_flops_per_token's N)}. Norms and biases: left out.
+    A shape with "tied": True shares one matrix between the embedding and the head (Megatron-LM's GPTs): counted
+    once in "total"; a pipeline still keeps a copy on its first and its last stage."""
     s = shape_of(model)
     d, head_dim = s["d_model"], s["d_model"] // s["heads"]
     attention = 2 * d * d + 2 * d * s["kv_heads"] * head_dim  # q and out; k and v, kv_heads wide
@@ -85,11 +127,39 @@ def shape_params(model) -> dict:
     experts, top_k = s.get("experts", 0), s.get("top_k", 0)
     layer_dense = attention + (0 if experts else mlp)
     layer_experts = experts * mlp + (d * experts if experts else 0)  # the router: d x E
+    layer_active = attention + (top_k * mlp + d * experts if experts else mlp)
     embedding = head = s["vocab"] * d
-    total = s["layers"] * (layer_dense + layer_experts) + embedding + head
-    active = s["layers"] * (attention + (top_k * mlp if experts else mlp)) + head
-    return {"layer_dense": layer_dense, "layer_experts": layer_experts, "embedding": embedding, "head": head,
-            "total": total, "matmul": active}
+    total = s["layers"] * (layer_dense + layer_experts) + embedding + (0 if s.get("tied") else head)
+    return {"layer_dense": layer_dense, "layer_experts": layer_experts, "layer_active": layer_active,
+            "embedding": embedding, "head": head, "total": total, "matmul": s["layers"] * layer_active + head}
+
+
+def activation_bytes_per_token(model, *, tp=1, sequence_parallel=True, recompute="selective", attention="flash",
+                               seq=None, dropout=False) -> float:
+    """Bytes one layer keeps for the backward, per token of a micro-batch on one tensor-parallel rank (bf16).
+
+    Korthikanti et al. 2022 (arXiv 2205.05198), section 4, for a GPT layer: s b h (34 + 5 a s / h) bytes, 10 of the
+    34 replicated on every tp rank without sequence parallelism. Term by term, so that grouped-query attention and
+    a SwiGLU MLP count right: the two norms' inputs and outputs (4 x 2h, replicated without sequence parallelism),
+    q and the attention output (2 x 2h), k and v (2 x 2 kv_width), the MLP's inner tensors (2 ffn each: two for a
+    GELU MLP, four for SwiGLU's gate, up, activation and product), dropout masks (h bytes each, two, when the model
+    uses dropout), and unfused attention's scores (5 a s bytes: softmax output, dropout mask and output). Flash
+    attention keeps no scores (it recomputes them in its backward). Selective recomputation drops the scores; full
+    recomputation keeps only the layer's input (2h)."""
+    s = shape_of(model)
+    if recompute not in RECOMPUTE or attention not in ATTENTION:
+        raise ValueError(f"recompute must be one of {RECOMPUTE} and attention one of {ATTENTION}")
+    d, f = s["d_model"], s["ffn"]
+    kv_width = s["kv_heads"] * (d // s["heads"])
+    replicated = 4 * 2 * d + (2 * d if dropout else 0)          # norms (and the two dropout masks)
+    split = 2 * 2 * d + 2 * 2 * kv_width + (2 if s["mlp_matrices"] == 2 else 4) * 2 * f
+    if attention == "unfused" and recompute == "none":
+        if seq is None:
+            raise ValueError("unfused attention keeps a x s scores per token: give seq")
+        split += 5 * s["heads"] * seq
+    if recompute == "full":
+        return 2 * d / (tp if sequence_parallel else 1)
+    return (replicated + split) / tp if sequence_parallel else replicated + split / tp
 
 
 def _link(system, spans_nodes):
@@ -102,21 +172,30 @@ def _time(kind, size, n, system, spans_nodes):
     return costs.collective_time(kind, size, n, link.alpha, link.beta) if n > 1 else 0.0
 
 
-def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, global_batch=None, micro_batch=1,
-                     zero=1, recompute="selective", system="h100-sxm", dtype="bf16", device_bytes=80e9):
-    """Memory per GPU and a step time for `model` (a SHAPES name or a shape dict) trained on `gpus` GPUs split
-    dp x tp x pp x cp (ep inside dp, MoE only), all MODELLED (module docstring).
+def bubble_slots(schedule, pp, virtual_stages=1):
+    """Idle time of one pipeline step, in micro-batch times (one forward + backward of one micro-batch on one
+    stage): 1F1B (Narayanan et al. 2021) p - 1; interleaved with v chunks per rank (p - 1) / v; zero-bubble's
+    ZB-H1 (Qi et al. 2023, arXiv 2401.10241) a third of 1F1B's at the same memory, weights' gradients filling
+    it; DualPipeV (DeepSeek-V3, costs.dualpipev_bubble) with F = B/2 = W, its 2p half-size chunks."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if pp == 1:
+        return 0.0
+    if schedule == "1f1b":
+        return float(pp - 1)
+    if schedule == "interleaved":
+        return (pp - 1) / virtual_stages
+    if schedule == "zero-bubble":
+        return (pp - 1) / 3
+    chunk = 0.5  # a DualPipeV chunk holds half a stage's layers
+    forward, backward = chunk / 3, 2 * chunk / 3
+    return costs.dualpipev_bubble(pp, forward, backward, backward / 2)
 
-    global_batch: sequences per step (default: one micro-batch per pipeline stage and replica, dp x pp x
-    micro_batch). zero: the ZeRO stage over the dp x cp replicas (0-3; 1 is Megatron-LM's distributed optimizer).
-    Returns {"label": "modelled", "fits", "device_bytes", "peak_bytes", "stages": [first, last] each {"stage",
-    "layers", "params", "memory": {"params", "grads", "optimizer", "activations"}, "total"}, "micro_batches",
-    "compute_s", "bubble_s", "comm_s": {"tp", "cp", "pp", "dp", "ep"}, "step_s", "mfu", "tokens_per_s",
-    "spans_nodes": {dim: bool}, "warnings": [...], "assumes"}. Raises ValueError on a plan that cannot be laid
-    out (dp x tp x pp x cp != gpus, a degree that does not divide what it splits)."""
-    s = shape_of(model)
+
+def _check(s, gpus, dp, tp, pp, cp, ep, seq, micro_batch, zero, recompute, system, schedule, virtual_stages,
+           attention):
     for value, name in ((gpus, "gpus"), (dp, "dp"), (tp, "tp"), (pp, "pp"), (cp, "cp"), (ep, "ep"), (seq, "seq"),
-                        (micro_batch, "micro_batch")):
+                        (micro_batch, "micro_batch"), (virtual_stages, "virtual_stages")):
         _whole(value, name)
     if dp * tp * pp * cp != gpus:
         raise ValueError(f"dp x tp x pp x cp = {dp} x {tp} x {pp} x {cp} = {dp * tp * pp * cp}, not the {gpus:,} "
@@ -125,160 +204,197 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
         raise ValueError(f"system must be one of {sorted(costs.SYSTEMS)}, got {system!r}")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be a ZeRO stage, 0 to 3, got {zero!r}")
     if s["heads"] % tp or s["kv_heads"] % tp and tp % s["kv_heads"]:
         raise ValueError(f"tp={tp} must divide the {s['heads']} attention heads (and the {s['kv_heads']} key/value "
                          "heads, or be a multiple of them)")
-    if pp > s["layers"]:
-        raise ValueError(f"pp={pp} stages for {s['layers']} layers: at most one stage per layer")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    chunks = {"interleaved": virtual_stages, "dualpipev": 2}.get(schedule, 1)
+    if schedule == "interleaved" and virtual_stages < 2:
+        raise ValueError("schedule='interleaved' needs virtual_stages >= 2 (chunks of layers per rank); with one "
+                         "chunk per rank it is 1F1B")
+    if schedule != "interleaved" and virtual_stages != 1:
+        raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved' (DualPipeV always has 2)")
+    if pp * chunks > s["layers"]:
+        raise ValueError(f"pp={pp} stages x {chunks} chunk(s) each for {s['layers']} layers: at most one chunk "
+                         "per layer")
     if seq % cp:
         raise ValueError(f"cp={cp} must divide the sequence length {seq}")
     experts = s.get("experts", 0)
     if ep > 1 and not experts:
         raise ValueError(f"ep={ep}: this model has no experts to split; ep must be 1 for a dense model")
-    if dp % ep or experts and experts % ep:
-        raise ValueError(f"ep={ep} must divide dp={dp} (the experts are split inside the data-parallel group) "
-                         f"and the {experts} experts")
+    if (dp * cp) % ep or experts and experts % ep:
+        raise ValueError(f"ep={ep} must divide dp x cp = {dp * cp} (the experts are split inside the data-parallel "
+                         f"group) and the {experts} experts")
+
+
+def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, global_batch=None, micro_batch=1,
+                     zero=1, recompute="selective", system="h100-sxm", schedule="1f1b", virtual_stages=1,
+                     sequence_parallel=None, attention="flash", dropout=False, dtype="bf16", device_bytes=80 * GiB,
+                     grad_bytes=BYTES["grad"]):
+    """Memory per GPU and a step-time estimate for `model` (a SHAPES name or a shape dict) trained on `gpus` GPUs
+    split dp x tp x pp x cp (ep inside dp x cp, MoE only), all MODELLED (module docstring).
+
+    global_batch: sequences per step (default: one micro-batch per pipeline stage and replica, dp x pp x
+    micro_batch). zero: the ZeRO stage over the ranks holding the same parameters (0-3; 1 is Megatron-LM's
+    distributed optimizer). Under a pipeline, stages 2 and 3 cannot keep a whole gradient between micro-batches:
+    they reduce-scatter every micro-batch (and stage 3 all-gathers the weights every micro-batch), which the step
+    time charges (DeepSpeed refuses them with pipeline parallelism). schedule: "1f1b", "interleaved" (with
+    virtual_stages >= 2 chunks per rank), "zero-bubble" (ZB-H1) or "dualpipev". sequence_parallel: default on when
+    tp > 1. attention: "flash" (no scores kept) or "unfused" (Megatron-LM 2021). device_bytes: the device's memory
+    (80 GiB for an "80 GB" A100 or H100).
+
+    Returns {"label": "modelled", "fits", "device_bytes", "peak_bytes" (tensors), "reserved_bytes" (with headroom),
+    "stages": [first, last] each {"stage", "layers", "params", "memory": {"params", "grads", "optimizer",
+    "activations"}, "total"}, "micro_batches", "terms" (seconds per step, each term apart), "compute_s",
+    "bubble_s", "comm_s": {"tp", "cp", "pp", "dp", "ep"}, "step_s", "mfu", "hfu", "tflops_per_gpu",
+    "tokens_per_s", "spans_nodes", "warnings", "assumes"}. Raises ValueError on a plan that cannot be laid out."""
+    s = shape_of(model)
+    _check(s, gpus, dp, tp, pp, cp, ep, seq, micro_batch, zero, recompute, system, schedule, virtual_stages,
+           attention)
+    sequence_parallel = tp > 1 if sequence_parallel is None else sequence_parallel
     global_batch = dp * pp * micro_batch if global_batch is None else global_batch
     _whole(global_batch, "global_batch")
     if global_batch % (dp * micro_batch):
         raise ValueError(f"global_batch={global_batch} must split into micro-batches of {micro_batch} over "
                          f"dp={dp} replicas (a multiple of {dp * micro_batch})")
     m = global_batch // (dp * micro_batch)
+    chunks = {"interleaved": virtual_stages, "dualpipev": 2}.get(schedule, 1)
     spec = costs.SYSTEMS[system]
-    node = spec["node_size"]
+    device = spec["device"]
+    if device not in SUSTAINED:
+        raise ValueError(f"no sustained rates for {device!r}: add it to planner.SUSTAINED with their source")
+    rate = SUSTAINED[device]
+    node, experts = spec["node_size"], s.get("experts", 0)
     p = shape_params(s)
     d, L, b = s["d_model"], s["layers"], micro_batch
-    tokens = seq // cp  # of one micro-batch's sequence on this rank
-    span = {"tp": tp > node, "cp": tp * cp > node, "pp": tp * cp * pp > node,
-            "dp": gpus > node, "ep": ep > 1 and tp * cp * pp * ep > node}
+    tokens = seq // cp * b  # of one micro-batch on this rank
+    span = {"tp": tp > node, "cp": tp * cp > node, "pp": pp > 1 and tp * cp >= node,
+            "dp": dp > 1 and tp * cp * pp >= node or tp * cp * pp * dp > node, "ep": ep > 1 and tp * ep > node}
     warnings = []
     if span["tp"]:
-        warnings.append(f"tp={tp} spans nodes of {node}: its all-reduces, on every layer, ride the slower link")
+        warnings.append(f"tp={tp} spans nodes of {node}: its collectives, on every layer, ride the slower link")
     if pp > 1 and m < pp:
-        warnings.append(f"{m} micro-batch(es) for {pp} stages: the pipeline never fills (bubble {pp - 1}/{m})")
+        warnings.append(f"{m} micro-batch(es) for {pp} stages: the pipeline never fills")
+    if pp > 1 and zero >= 2 and m > 1:
+        warnings.append(f"ZeRO-{zero} under a pipeline reduce-scatters the gradients every micro-batch ({m} a step)"
+                        + (" and all-gathers the weights every micro-batch" if zero == 3 else "")
+                        + ": DeepSpeed refuses it, Megatron-LM pairs pipelines with ZeRO-1")
 
     # --- memory, first and last stage
     per_stage = [L // pp + (1 if i < L % pp else 0) for i in range(pp)]
-    per_layer_act = {"none": tokens * b * d * (34 + 5 * s["heads"] * tokens / d),
-                     "selective": 34 * tokens * b * d, "full": 2 * tokens * b * d}[recompute] / tp
+    per_layer_act = activation_bytes_per_token(s, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute,
+                                               attention=attention, seq=seq, dropout=dropout) * tokens
+    if experts:  # each token's activations inside the MLP exist top_k times
+        mlp_share = 4 * 2 * s["ffn"] / tp
+        per_layer_act += (s["top_k"] - 1) * mlp_share * tokens * (recompute != "full")
+    groups = sum(n > 1 for n in (tp, cp, pp, dp, ep))
     stages = []
     for name, index in (("first", 0), ("last", pp - 1)):
         layers = per_stage[index]
-        held = layers * (p["layer_dense"] / tp + p["layer_experts"] / (tp * ep))
-        held += (p["embedding"] / tp if index == 0 else 0) + (p["head"] / tp if index == pp - 1 else 0)
-        states = {part: costs.zero_memory_bytes(held, dp * cp, zero, param_bytes=BYTES["param"] if part == "params"
-                                                else 0, grad_bytes=BYTES["grad"] if part == "grads" else 0,
-                                                optimizer_bytes=BYTES["optimizer"] if part == "optimizer" else 0)
-                  for part in ("params", "grads", "optimizer")}
-        in_flight = costs.pipeline_peak_activations(pp, m, 1, index, "1F1B")
-        activations = in_flight * layers * per_layer_act
+        dense = layers * p["layer_dense"] / tp + (p["embedding"] / tp if index == 0 else 0) + (
+            p["head"] / tp if index == pp - 1 else 0)
+        expert = layers * p["layer_experts"] / (tp * ep)
+        states = {}
+        for part, nbytes in (("params", BYTES["param"]), ("grads", grad_bytes), ("optimizer", BYTES["optimizer"])):
+            kw = {"param_bytes": 0, "grad_bytes": 0, "optimizer_bytes": 0,
+                  {"params": "param_bytes", "grads": "grad_bytes", "optimizer": "optimizer_bytes"}[part]: nbytes}
+            states[part] = (costs.zero_memory_bytes(dense, dp * cp, zero, **kw)
+                            + costs.zero_memory_bytes(expert, dp * cp // ep, zero, **kw))
+        if zero == 3:  # the layer in use and the next one, gathered whole
+            states["params"] += 2 * BYTES["param"] * (p["layer_dense"] / tp + p["layer_experts"] / (tp * ep))
+        sched = {"1f1b": "1F1B", "zero-bubble": "1F1B", "interleaved": "Interleaved1F1B",
+                 "dualpipev": "DualPipeV"}[schedule]
+        in_flight = costs.pipeline_peak_activations(pp, m, chunks, index, sched) if pp > 1 else 1
+        activations = in_flight * layers / chunks * per_layer_act
         if index == pp - 1:
-            activations += 4 * tokens * b * s["vocab"] / tp  # fp32 logits for the loss
+            activations += 4 * tokens * s["vocab"] / tp  # fp32 logits for the loss
         memory = {**states, "activations": activations}
-        stages.append({"stage": name, "layers": layers, "params": held, "memory": memory,
+        stages.append({"stage": name, "layers": layers, "params": dense + expert, "memory": memory,
                        "total": sum(memory.values())})
     if pp == 1:
         stages = stages[:1]
     peak = max(st["total"] for st in stages)
+    reserved = peak * (1 + FRAGMENTATION) + CUDA_CONTEXT_BYTES + groups * NCCL_BYTES_PER_GROUP
 
-    # --- time of one step
-    peak_flops = costs.peak_flops(spec["device"], dtype)
-    model_flops = costs.model_flops_per_token(p["matmul"], L, d, seq) * seq * global_batch / gpus
-    extra = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[recompute]  # full: forward again, 1/3 of 6N
-    compute = model_flops * (1 + extra) / peak_flops
-    bubble = compute * costs.pipeline_bubble_ratio(pp, m) if pp > 1 else 0.0
-    layers = max(per_stage)
-    activation_bytes = 2 * tokens * b * d  # bf16, one micro-batch's hidden states on this rank's sequence
-    tp_calls = (6 if recompute == "full" else 4) * layers * m  # 2 forward, 2 backward (+2 recomputed forward)
-    kv_bytes = 2 * 2 * seq * b * s["kv_heads"] * (d // s["heads"]) / tp  # K and V, bf16, the whole sequence
-    grad_bytes = BYTES["grad"] * max(st["params"] for st in stages)
-    comm = {"tp": tp_calls * _time("all_reduce", activation_bytes, tp, system, span["tp"]),
-            "cp": 2 * layers * m * _time("all_gather", kv_bytes, cp, system, span["cp"]),
-            "pp": 2 * m * _time("send_recv", activation_bytes / tp, 2, system, span["pp"]) if pp > 1 else 0.0,
-            "ep": 0.0}
-    if experts:
-        routed = tokens * b * s["top_k"] * d * 2 / tp  # bf16 tokens sent to their experts
-        # dispatch and combine, forward and backward
-        comm["ep"] = 4 * layers * m * _time("all_to_all", routed, ep, system, span["ep"])
-    reduce_grads = _time("all_reduce", grad_bytes, dp * cp, system, span["dp"])
-    last_backward = compute / m * costs.BACKWARD_FRACTION
-    comm["dp"] = max(0.0, reduce_grads - last_backward)
-    step = compute + bubble + sum(comm.values())
+    # --- one micro-batch (forward + backward) on each stage; the slowest sets the pipeline's pace
+    passes = 3 + (recompute == "full")  # forward, backward (2x), and the forward again under full recomputation
+    kv_width = s["kv_heads"] * (d // s["heads"])
+    act_bytes = 2 * tokens * d  # one micro-batch's hidden states on this rank's sequence, bf16
+    tp_calls = (4 if sequence_parallel else 2) * (2 + (recompute == "full"))  # per layer: fwd, bwd, recomputed
+    tp_kind = "all_gather" if sequence_parallel else "all_reduce"  # all-gathers and reduce-scatters cost the same
+    ew = 3 * (_ELEMENTWISE_FORWARD["per_d_model"] * d + _ELEMENTWISE_FORWARD["per_ffn"] * s["ffn"]
+              * (s.get("top_k") or 1)) * passes / 3 * tokens / (tp if sequence_parallel else 1)
+    if attention == "unfused":  # softmax and dropout read and write a x s scores: 9 bytes fwd, 11 bwd per score
+        ew += s["heads"] / tp * seq * tokens * (20 + 9 * (recompute == "full"))
+    attention_flops = 4 * d / tp * (seq + 1) / 2 * tokens * 3.5  # causal; forward 1 + flash backward 2.5
+    attention_flops += attention_flops / 3.5 * (recompute == "full")
+    per_layer = {
+        "matmul": 2 * passes * p["layer_active"] / tp * tokens / (rate["matmul"] * KERNEL_EFFICIENCY),
+        "attention": attention_flops / ((rate["attention"] if attention == "flash" else rate["matmul"])
+                                        * KERNEL_EFFICIENCY),
+        "memory-bound": ew / rate["hbm"],
+        "tp comm": tp_calls * _time(tp_kind, act_bytes, tp, system, span["tp"]),
+        "cp comm": 2 * _time("all_gather", 2 * 2 * seq * b * kv_width / tp, cp, system, span["cp"]),
+        "ep comm": 4 * _time("all_to_all", act_bytes / tp * s.get("top_k", 0), ep, system, span["ep"]),
+    }
+    head = 2 * 3 * p["head"] / tp * tokens / (rate["matmul"] * KERNEL_EFFICIENCY)  # the last stage's output layer
+
+    def stage_parts(index):
+        parts = {name: v * per_stage[index] for name, v in per_layer.items()}
+        parts["head (last stage)"] = head if index == pp - 1 else 0.0
+        return parts
+
+    slowest = max(range(pp), key=lambda i: sum(stage_parts(i).values()))
+    t_mb = sum(stage_parts(slowest).values())
+    send = _time("send_recv", act_bytes / tp, 2, system, span["pp"])  # sequence-parallel or scatter-gather
+    pp_comm = 2 * m * chunks * send if pp > 1 else 0.0
+
+    # --- data parallelism: the gradients of the slowest stage's parameters
+    held = max(st["params"] for st in stages)
+    shard = dp * cp
+    reduce_grads = _time("reduce_scatter" if zero else "all_reduce", grad_bytes * held, shard, system, span["dp"])
+    gather_params = _time("all_gather", BYTES["param"] * held, shard, system, span["dp"]) if zero else 0.0
+    if zero >= 2 and m > 1:  # every micro-batch, hidden behind its own compute where it fits
+        per_mb = reduce_grads + (2 * gather_params if zero == 3 else 0.0)
+        dp_comm = m * max(0.0, per_mb - t_mb) + gather_params * (zero == 2)
+    else:  # once a step, behind the last micro-batch's backward
+        dp_comm = max(0.0, reduce_grads - t_mb * costs.BACKWARD_FRACTION) + gather_params
+    optimizer = held / (shard if zero else 1) * (2 * BYTES["optimizer"] + grad_bytes + BYTES["param"]) / rate["hbm"]
+
+    terms = {name: m * v for name, v in stage_parts(slowest).items()}
+    terms.update({"pipeline bubble": bubble_slots(schedule, pp, virtual_stages) * t_mb, "pp comm": pp_comm,
+                  "dp comm (exposed)": dp_comm, "optimizer step": optimizer})
+    step = sum(terms.values())
+
+    peak_flops = costs.peak_flops(device, dtype)
+    tokens_step = seq * global_batch
+    model_flops = costs.model_flops_per_token(p["matmul"], L, d, seq) * tokens_step / gpus
+    hardware_flops = costs.hardware_flops_per_token(p["matmul"], L, d, seq, recompute=recompute) * tokens_step / gpus
+    comm = {"tp": terms["tp comm"], "cp": terms["cp comm"], "pp": pp_comm, "dp": dp_comm, "ep": terms["ep comm"]}
+    compute = step - terms["pipeline bubble"] - sum(comm.values())
     return {"label": "modelled", "model": model if isinstance(model, str) else "custom", "gpus": gpus,
             "layout": {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}, "seq": seq, "global_batch": global_batch,
             "micro_batch": micro_batch, "micro_batches": m, "zero": zero, "recompute": recompute, "system": system,
-            "device": spec["device"], "device_bytes": device_bytes, "params": p["total"], "stages": stages,
-            "peak_bytes": peak, "fits": peak <= device_bytes, "compute_s": compute, "bubble_s": bubble,
-            "comm_s": comm, "step_s": step, "mfu": model_flops / peak_flops / step,
-            "tokens_per_s": seq * global_batch / step, "spans_nodes": span, "warnings": warnings,
-            "assumes": f"compute at the {dtype} dense peak (an upper bound); 1F1B; ring alpha-beta on nominal links "
-                       f"({spec['inside']} inside a node of {node}, {spec['between']} between); only the gradient "
-                       "reduction overlapped; Korthikanti's activations; NCCL buffers and fragmentation left out"}
-
-
-# --- published runs, read against the model (chapter 12) -------------------------------------------------------
-
-# What each paper reports, and the plan that reproduces its layout. Only "reported" is the paper's; every figure
-# plan_parallelism derives from "plan" is the course's model.
-PUBLISHED = {
-    "Megatron-LM 1T (Narayanan et al. 2021)": {
-        "source": "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
-                  "Megatron-LM, SC21, arXiv 2104.04473: Table 1 and section 5.1",
-        "plan": {"model": "megatron-1t", "gpus": 3072, "dp": 6, "tp": 8, "pp": 64, "seq": 2048,
-                 "global_batch": 3072, "system": "a100-sxm", "recompute": "full"},
-        "reported": {"pflops": 502, "share_of_peak": 0.52, "tflops_per_gpu": 163,
-                     "text": "502 PFLOP/s on 3,072 GPUs, 52 % of peak (163 TFLOP/s a GPU)"},
-    },
-    "Llama 3 405B, 8K context (Grattafiori et al. 2024)": {
-        "source": "Grattafiori et al., The Llama 3 Herd of Models, arXiv 2407.21783: section 3.3.2, Table 4 "
-                  "(16,384 GPUs, TP 8, CP 1, PP 16, DP 128, 8,192 tokens, 16M tokens a batch)",
-        "plan": {"model": "llama3-405b", "gpus": 16384, "dp": 128, "tp": 8, "pp": 16, "seq": 8192,
-                 "global_batch": 2048, "system": "h100-sxm"},
-        "reported": {"tflops_per_gpu": 400, "mfu": 0.41, "text": "400 TFLOP/s a GPU, 41 % BF16 MFU"},
-    },
-    "Llama 3 405B, 128K context (Grattafiori et al. 2024)": {
-        "source": "Grattafiori et al., The Llama 3 Herd of Models, arXiv 2407.21783: section 3.3.2, Table 4 "
-                  "(16,384 GPUs, TP 8, CP 16, PP 16, DP 8, 131,072 tokens, 16M tokens a batch)",
-        "plan": {"model": "llama3-405b", "gpus": 16384, "dp": 8, "tp": 8, "pp": 16, "cp": 16, "seq": 131072,
-                 "global_batch": 128, "system": "h100-sxm"},
-        "reported": {"tflops_per_gpu": 380, "mfu": 0.38, "text": "380 TFLOP/s a GPU, 38 % BF16 MFU"},
-    },
-}
-
-
-def megatron_flops_per_iteration(batch, seq, layers, hidden, vocab):
-    """Narayanan et al. 2021's FLOPs per iteration (their equation 3): 96 B s l h^2 (1 + s / 6h + V / 16 l h).
-
-    It counts activation recomputation (a second forward: 4 passes instead of 3), so the paper's "share of peak"
-    is a hardware utilisation; model_flops_per_token's 6 N + 12 L d T gives the model FLOPs utilisation (MFU)."""
-    return 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
-
-
-def read_published(name) -> dict:
-    """One PUBLISHED run: what the paper reports next to what the course's model says of the same layout.
-    Returns {"name", "source", "reported", "plan" (plan_parallelism's result), "reported_mfu" (the paper's
-    throughput as MFU by the course's 6 N + 12 L d T, the device's dense peak from costs.PEAK_DENSE_TFLOPS)}."""
-    if name not in PUBLISHED:
-        raise ValueError(f"unknown published run {name!r}: one of {', '.join(PUBLISHED)}")
-    entry = PUBLISHED[name]
-    spec = dict(entry["plan"])
-    plan = plan_parallelism(spec.pop("model"), **spec)
-    shape = shape_of(entry["plan"]["model"])
-    peak = costs.peak_flops(plan["device"], "bf16")
-    reported = entry["reported"]
-    if "pflops" in reported:  # hardware FLOP/s by the paper's formula -> tokens/s -> model FLOP/s
-        per_iter = megatron_flops_per_iteration(plan["global_batch"], plan["seq"], shape["layers"],
-                                                shape["d_model"], shape["vocab"])
-        tokens_per_s = reported["pflops"] * 1e15 / per_iter * plan["global_batch"] * plan["seq"]
-        per_token = costs.model_flops_per_token(shape_params(shape)["matmul"], shape["layers"], shape["d_model"],
-                                                plan["seq"])
-        reported_mfu = tokens_per_s * per_token / (plan["gpus"] * peak)
-    else:
-        reported_mfu = reported["mfu"]
-    return {"name": name, "source": entry["source"], "reported": reported, "plan": plan,
-            "reported_mfu": reported_mfu}
+            "schedule": schedule, "virtual_stages": virtual_stages, "sequence_parallel": sequence_parallel,
+            "attention": attention, "device": device, "device_bytes": device_bytes, "params": p["total"],
+            "stages": stages, "peak_bytes": peak, "reserved_bytes": reserved, "fits": reserved <= device_bytes,
+            "terms": terms, "compute_s": compute, "bubble_s": terms["pipeline bubble"], "comm_s": comm,
+            "step_s": step, "mfu": model_flops / peak_flops / step, "hfu": hardware_flops / peak_flops / step,
+            "tflops_per_gpu": model_flops / step / 1e12, "tokens_per_s": tokens_step / step,
+            "spans_nodes": span, "warnings": warnings,
+            "assumes": f"an estimate: matmuls at {device}'s sustained rate ({rate['matmul'] / 1e12:.0f} TFLOP/s "
+                       f"measured, the {dtype} peak is {peak_flops / 1e12:.0f}), flash attention at "
+                       f"{rate['attention'] / 1e12:.0f}; {schedule}"
+                       + (f" with {virtual_stages} chunks a rank" if schedule == "interleaved" else "")
+                       + f"; ring alpha-beta on nominal links ({spec['inside']} inside a node of {node}, "
+                       f"{spec['between']} between); TP/CP/EP/PP communication not overlapped, the gradient "
+                       "reduction hidden behind the last micro-batch's backward; headroom for the CUDA context, "
+                       "NCCL and fragmentation"}
 
 
 def smallest_fitting(model, *, gpus, tp=8, seq=8192, cp=1, **kwargs):
@@ -291,4 +407,3 @@ def smallest_fitting(model, *, gpus, tp=8, seq=8192, cp=1, **kwargs):
             return {"pp": pp, "plan": plan}
         pp *= 2
     return None
-

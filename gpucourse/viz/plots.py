@@ -776,21 +776,22 @@ def plan_plot(plan: dict, title: str = ""):
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[1, 1.3])
     names = [f"{st['stage']} stage" for st in plan["stages"]]
-    stacked_bars(left, names, {part: [st["memory"][part] / GB for st in plan["stages"]]
+    gib = 2 ** 30  # a device's "80 GB" of HBM is 80 GiB
+    stacked_bars(left, names, {part: [st["memory"][part] / gib for st in plan["stages"]]
                                for part in ("params", "grads", "optimizer", "activations")})
-    device = plan["device_bytes"] / GB
-    left.axhline(device, color="k", ls="--", lw=1.5, label=f"device: {device:.0f} GB")
-    top = max(device, plan["peak_bytes"] / GB)
-    left.set(ylabel="GB per GPU (modelled)", ylim=(0, 1.7 * top),
+    device = plan["device_bytes"] / gib
+    left.axhline(device, color="k", ls="--", lw=1.5, label=f"device: {device:.0f} GiB")
+    left.axhline(plan["reserved_bytes"] / gib, color="C3", ls=":", lw=1.5,
+                 label="peak + CUDA context, NCCL, fragmentation")
+    top = max(device, plan["reserved_bytes"] / gib)
+    left.set(ylabel="GiB per GPU (modelled)", ylim=(0, 1.7 * top),
              title="fits" if plan["fits"] else "does NOT fit: out of memory")
-    left.legend(fontsize=8, ncols=2, loc="upper left")  # above the device's line: the bars stop at 1x top
-    parts = {"compute (at peak)": plan["compute_s"], "pipeline bubble": plan["bubble_s"],
-             **{f"{dim} comm": t for dim, t in plan["comm_s"].items()}}
-    shown = {k: v for k, v in parts.items() if v > 0}
+    left.legend(fontsize=8, ncols=1, loc="upper left")  # above the device's line: the bars stop at 1x top
+    shown = {k: v for k, v in plan["terms"].items() if v > 0}
     right.barh(list(shown), list(shown.values()), color=[f"C{i}" for i in range(len(shown))])
     right.invert_yaxis()
     right.set(xlabel="seconds per step (modelled)", title=f"step {human_seconds(plan['step_s'])}, "
-              f"MFU {plan['mfu']:.0%} (modelled, an upper bound)")
+              f"MFU {plan['mfu']:.0%} (an estimate)")
     lay = plan["layout"]
     fig.suptitle(title or (f"{plan['model']} on {plan['gpus']:,} × {plan['device']} (modelled, not run): "
                            f"dp {lay['dp']} × tp {lay['tp']} × pp {lay['pp']} × cp {lay['cp']}"

@@ -1064,31 +1064,38 @@ def dry_vs_real(dry: list[dict], real: list[dict]) -> pd.DataFrame:
 
 def plan_memory(plan: dict) -> pd.DataFrame:
     """A plan (models.planner.plan_parallelism), MODELLED: one row per pipeline stage shown (first, last), its
-    layers, parameters held, memory by part and in all (GB), and whether it fits in the device's memory."""
-    rows = [{"stage (modelled)": st["stage"], "layers": st["layers"], "params held (B)": round(st["params"] / 1e9, 2),
-             **{f"{k} (GB)": round(v / 1e9, 1) for k, v in st["memory"].items()},
-             "total (GB)": round(st["total"] / 1e9, 1), f"fits {plan['device_bytes'] / 1e9:.0f} GB":
-             st["total"] <= plan["device_bytes"]} for st in plan["stages"]]
+    layers, parameters held, memory by part and in all, in GiB (a device's "80 GB" is 80 GiB)."""
+    rows = [{"stage (modelled)": st["stage"], "layers": st["layers"],
+             "params held (billions)": round(st["params"] / 1e9, 2),
+             **{f"{k} (GiB)": round(v / 2**30, 1) for k, v in st["memory"].items()},
+             "total (GiB)": round(st["total"] / 2**30, 1)} for st in plan["stages"]]
     return pd.DataFrame(rows).set_index("stage (modelled)")
 
 
 def published_runs(readings: list[dict]) -> pd.DataFrame:
-    """Published runs (models.planner.read_published) beside the course's model of the same layout: the
-    paper's figures in the "reported" columns, the model's in the "modelled" ones. "reported, as MFU": the
-    paper's MFU where it states one (Llama 3), else its throughput recounted in model FLOPs (6 N + 12 L d T) by
-    read_published (Megatron-LM's 52 % counts the recomputed forward)."""
+    """Published runs (models.published.read_published) beside the planner's estimate of the same layout: the
+    paper's figures in the "reported" column, the model's in the "modelled" ones, throughput counted the paper's
+    way (Megatron-LM's and MT-NLG's hardware FLOPs include the recomputed forward; Llama 3's are model FLOPs)."""
     rows = []
     for r in readings:
         p, lay = r["plan"], r["plan"]["layout"]
-        rows.append({"run": r["name"], "GPUs": p["gpus"], "dp × tp × pp × cp": " × ".join(
-            str(lay[k]) for k in ("dp", "tp", "pp", "cp")), "micro-batches": p["micro_batches"],
-            "reported (the paper's words)": r["reported"]["text"],
-            "reported, as MFU (%)": round(100 * r["reported_mfu"], 1),
-            "modelled: MFU (%, upper bound)": round(100 * p["mfu"], 1),
-            "modelled: step (s)": round(p["step_s"], 2),
-            "modelled: peak per GPU (GB)": round(p["peak_bytes"] / 1e9, 1), "modelled: fits": p["fits"],
-            "source": r["source"]})
+        schedule = p["schedule"] + (f", v {p['virtual_stages']}" if p["schedule"] == "interleaved" else "")
+        rows.append({"run": r["name"], "GPUs": f"{p['gpus']:,}",
+                     "dp×tp×pp×cp": "×".join(str(lay[k]) for k in ("dp", "tp", "pp", "cp")),
+                     "schedule": schedule, "micro-batches": p["micro_batches"],
+                     "reported (TFLOP/s a GPU)": r["reported"]["tflops_per_gpu"],
+                     "modelled (TFLOP/s a GPU)": round(r["modelled_tflops"]),
+                     "modelled / reported": round(r["ratio"], 2), "modelled MFU (%)": round(100 * p["mfu"], 1),
+                     "assumed": r["assumed"]})
     return pd.DataFrame(rows).set_index("run")
+
+
+def step_terms(plan: dict) -> pd.DataFrame:
+    """What each term of a plan's step-time estimate (models.planner.plan_parallelism) costs: seconds a step and
+    share of the step, largest first; terms that cost nothing are left out."""
+    rows = [{"term (modelled)": k, "seconds a step": round(v, 3), "share (%)": round(100 * v / plan["step_s"], 1)}
+            for k, v in sorted(plan["terms"].items(), key=lambda kv: -kv[1]) if v > 0]
+    return pd.DataFrame(rows).set_index("term (modelled)")
 
 
 # --- chapter 08: checkpoints that reshard ---------------------------------------------------------------

@@ -460,13 +460,13 @@ PLANNER_DEGREES = [2 ** k for k in range(0, 11)]
 
 
 class ParallelismPlanner:
-    """Model, GPU count and dp/tp/pp/cp/ep: memory per GPU against the device's, and the step time, all modelled
-    by models.planner.plan_parallelism. A layout whose degrees do not multiply to the GPU count, or that does
-    not divide what it splits, is refused in the summary, with the planner's message. Global batch: sequences a
-    step; 0 takes one micro-batch per pipeline stage and replica (dp x pp)."""
+    """Model, GPU count, dp/tp/pp/cp/ep and the pipeline schedule: memory per GPU against the device's, and the
+    step-time estimate, all modelled by models.planner.plan_parallelism. Moving the GPU count moves dp with it
+    (tp, pp and cp stay); a layout that does not divide what it splits is refused in the summary, with the
+    planner's message. The global batch (sequences a step) stays as set whatever the layout."""
 
-    def __init__(self, model="llama3-70b", gpus=1024, dp=32, tp=8, pp=4, cp=1, ep=1, seq=8192, global_batch=None,
-                 recompute="selective", system="h100-sxm", device_gb=80):
+    def __init__(self, model="llama3-70b", gpus=1024, dp=32, tp=8, pp=4, cp=1, ep=1, seq=8192, global_batch=512,
+                 recompute="selective", system="h100-sxm", schedule="1f1b", virtual_stages=1, zero=1, device_gib=80):
         import ipywidgets as w
 
         style = {"description_width": f"{DESCRIPTION_PX}px"}
@@ -479,30 +479,48 @@ class ParallelismPlanner:
                         for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))}
         self.seq = w.Dropdown(options=[2 ** k for k in range(9, 18)], value=seq, description="sequence (tokens)",
                               style=style)
-        self.batch = w.IntText(value=global_batch or 0, description="global batch", style=style)  # 0: dp × pp
+        self.batch = w.BoundedIntText(value=global_batch, min=1, max=10 ** 7, description="global batch (seqs)",
+                                      style=style)
         self.recompute = w.ToggleButtons(options=list(planner.RECOMPUTE), value=recompute, description="recompute",
                                          style=style)
+        self.schedule = w.ToggleButtons(options=list(planner.SCHEDULES), value=schedule, description="schedule",
+                                        style=style)
+        self.virtual = w.Dropdown(options=[1, 2, 3, 4, 6, 8], value=virtual_stages, description="chunks a rank",
+                                  style=style)
+        self.zero = w.Dropdown(options=[0, 1, 2, 3], value=zero, description="ZeRO stage", style=style)
         self.system = w.Dropdown(options=sorted(costs.SYSTEMS), value=system, description="system", style=style)
-        self.device_gb = w.BoundedFloatText(value=device_gb, min=1, max=10_000, description="GB per device",
-                                            style=style)
+        self.device_gib = w.BoundedFloatText(value=device_gib, min=1, max=10_000, description="GiB per device",
+                                             style=style)
         self.summary = w.HTML()
         self.out = w.Output()
-        self.controls = [self.model, self.gpus, *self.degrees.values(), self.seq, self.batch, self.recompute,
-                         self.system, self.device_gb]
+        self.controls = [self.model, *self.degrees.values(), self.seq, self.batch, self.recompute, self.schedule,
+                         self.virtual, self.zero, self.system, self.device_gib]
         row = w.HBox(list(self.degrees.values()), layout=w.Layout(margin=f"0 0 0 {DESCRIPTION_PX - 30}px"))
-        self.widget = w.VBox([self.model, self.gpus, row, self.seq, self.batch, self.recompute, self.system,
-                              self.device_gb, self.summary, self.out])
+        self.widget = w.VBox([self.model, self.gpus, row, self.seq, self.batch, self.recompute, self.schedule,
+                              self.virtual, self.zero, self.system, self.device_gib, self.summary, self.out])
         self.plan, self.error, self.figure = None, None, None
+        self.gpus.observe(self._gpus_moved, names="value")
         for control in self.controls:
             control.observe(lambda _: self.update(), names="value")
         self.update()
 
+    def _gpus_moved(self, change) -> None:
+        """dp follows the GPU count when the other degrees divide it (else the summary says why not)."""
+        other = self.degrees["tp"].value * self.degrees["pp"].value * self.degrees["cp"].value
+        dp = change["new"] // other
+        if change["new"] % other == 0 and dp in PLANNER_DEGREES and dp != self.degrees["dp"].value:
+            self.degrees["dp"].value = dp  # its observer redraws
+        else:
+            self.update()
+
     def update(self) -> None:
+        schedule = self.schedule.value
         try:
             self.plan = planner.plan_parallelism(
                 self.model.value, gpus=self.gpus.value, **{k: c.value for k, c in self.degrees.items()},
-                seq=self.seq.value, global_batch=self.batch.value or None, recompute=self.recompute.value,
-                system=self.system.value, device_bytes=self.device_gb.value * 1e9)
+                seq=self.seq.value, global_batch=self.batch.value, recompute=self.recompute.value,
+                schedule=schedule, virtual_stages=self.virtual.value if schedule == "interleaved" else 1,
+                zero=self.zero.value, system=self.system.value, device_bytes=self.device_gib.value * 2 ** 30)
             self.error = None
         except ValueError as exc:
             self.plan, self.error, self.figure = None, str(exc), None
@@ -517,12 +535,14 @@ class ParallelismPlanner:
         p = self.plan
         fits = "fits in" if p["fits"] else "does <b>not</b> fit in"
         warn = "".join(f"<br>⚠ {html.escape(text)}" for text in p["warnings"])
-        return (f"<b>Modelled</b> (not run): {p['params']:.3g} parameters; peak {gb(p['peak_bytes'])} per GPU "
-                f"({', '.join(st['stage'] + ' stage ' + gb(st['total']) for st in p['stages'])}) — {fits} "
-                f"{gb(p['device_bytes'])}. Step {human_seconds(p['step_s'])} for {p['global_batch']:,} sequences "
-                f"in {p['micro_batches']} micro-batch{'es' if p['micro_batches'] > 1 else ''}; "
-                f"MFU {human_percent(p['mfu'])} (modelled: compute at the "
-                f"dense peak, an upper bound).{warn}")
+        gib = 2 ** 30
+        return (f"<b>Modelled</b> (not run): {p['params'] / 1e9:.3g} billion parameters; peak "
+                f"{p['peak_bytes'] / gib:.1f} GiB of tensors per GPU, {p['reserved_bytes'] / gib:.1f} GiB with the "
+                f"CUDA context, NCCL and fragmentation — {fits} {p['device_bytes'] / gib:.0f} GiB. Step "
+                f"{human_seconds(p['step_s'])} for {p['global_batch']:,} sequences in {p['micro_batches']} "
+                f"micro-batch{'es' if p['micro_batches'] > 1 else ''}; MFU {human_percent(p['mfu'])}, HFU "
+                f"{human_percent(p['hfu'])} (an estimate: matmuls at a measured sustained rate, every term in "
+                f"the chart).{warn}")
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)

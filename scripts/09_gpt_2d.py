@@ -356,7 +356,8 @@ def main(argv=None) -> None:
                 val_loss=val, sample=text, **memory)
     if ctx.rank == 0 and not runtime.dry_run():
         print(f"dp={args.dp} tp={args.tp} ({args.dp_mode}) on {ctx.world_size} rank(s), {ctx.backend}/"
-              f"{ctx.device.type}: {tokens_per_s:,.0f} tokens/s, final loss {loss:.3f}, val {val:.3f}", flush=True)
+              f"{ctx.device.type}: {tokens_per_s:,.0f} tokens/s, final loss {loss:.3f}"
+              + (f", val {val:.3f}" if args.eval_batches else ""), flush=True)
     runtime.teardown()
 
 

@@ -306,6 +306,9 @@ def test_step_time_is_modelled_on_the_links_the_groups_span():
             + costs.collective_time("send_recv", 2**20, 2, ib.alpha, ib.beta))
     assert got["label"] == "modelled" and got["compute_s"] == pytest.approx(0.5)
     assert got["comm_s"] == pytest.approx(comm) and got["mfu"] == pytest.approx(0.5 / (0.5 + comm))
+    # the latency part: 2(n - 1) alphas an all-reduce, n - 1 an all-gather, one a send
+    latency = 2 * 6 * nvlink.alpha + ib.alpha + nvlink.alpha + ib.alpha
+    assert got["latency_s"] == pytest.approx(latency) and 0 < got["latency_s"] < got["comm_s"]
     with pytest.raises(ValueError, match="system must be one of"):
         costs.dryrun_step_time({"flops": 1, "comms": []}, system="laptop")
 

@@ -1030,12 +1030,13 @@ def dryrun_step_time(rank_report, *, system="h100-sxm", dtype="bf16"):
     inside a node when every rank of its group sits in one node of `node_size` GPUs (ranks node_size*k ...), its
     link between nodes otherwise; a send or receive on the link between the rank and its peer(s), whatever group
     it was issued in; nothing overlapped with compute. Returns {"label": "modelled", "system",
-    "device", "dtype", "compute_s", "comm_s", "step_s", "mfu", "assumes"}; mfu = compute_s / step_s.
+    "device", "dtype", "compute_s", "comm_s", "latency_s" (the alpha part of comm_s), "step_s", "mfu", "assumes"};
+    mfu = compute_s / step_s.
     """
     _require(system in SYSTEMS, f"system must be one of {sorted(SYSTEMS)}, got {system!r}")
     spec = SYSTEMS[system]
     compute = rank_report["flops"] / peak_flops(spec["device"], dtype)
-    comm = 0.0
+    comm = latency = 0.0
     for row in rank_report["comms"]:
         kind = next((k for prefix, k in _DRYRUN_OPS if row["op"].startswith(prefix)), None)
         n = row["group_size"]
@@ -1046,9 +1047,10 @@ def dryrun_step_time(rank_report, *, system="h100-sxm", dtype="bf16"):
         nodes = {r // spec["node_size"] for r in members}
         link = INTERCONNECTS[spec["inside"] if len(nodes) <= 1 else spec["between"]]
         comm += row["calls"] * collective_time(kind, row["bytes"] / row["calls"], max(n, 2), link.alpha, link.beta)
+        latency += row["calls"] * collective_time(kind, 0, max(n, 2), link.alpha, 0.0)
     step = compute + comm
     return {"label": "modelled", "system": system, "device": spec["device"], "dtype": dtype, "compute_s": compute,
-            "comm_s": comm, "step_s": step, "mfu": compute / step if step > 0 else None,
+            "comm_s": comm, "latency_s": latency, "step_s": step, "mfu": compute / step if step > 0 else None,
             "assumes": f"compute at the {dtype} dense peak; ring alpha-beta per call on nominal links "
                        f"({spec['inside']} inside a node of {spec['node_size']}, {spec['between']} between); "
                        "no overlap"}

@@ -55,11 +55,11 @@ def test_text_view_leaves_profiler_noise_out(capsys):
     assert "USDT" not in out + err and "[rank 1] step 1" in out
 
 
-def test_torch_rank_prefix_is_not_doubled(widget_view, capsys):
+def test_torch_rank_prefix_becomes_the_views_own(widget_view, capsys):
     lines = [Line(1, "stderr", "[rank1]: Traceback (most recent call last):"),
              Line(1, "stderr", "[rank0]: a message about rank 0, printed by rank 1"),
              Line(1, "stderr", "[rank1] no colon: not torch's prefix")]
-    expected = ["[rank1]: Traceback (most recent call last):",
+    expected = ["[rank 1] Traceback (most recent call last):",  # one kind of prefix in a pane (issue 47)
                 "[rank 1] [rank0]: a message about rank 0, printed by rank 1",
                 "[rank 1] [rank1] no colon: not torch's prefix"]
     widget_view.update(lines, [], "running")
@@ -117,6 +117,13 @@ def test_the_bar_shows_a_count_or_is_not_shown(widget_view):
     assert (widget_view.bar.value, widget_view.bar.max) == (4, 8)
     widget_view.finish(result())
     assert widget_view.bar_row in widget_view.box.children and "steps" not in widget_view.status.value
+
+
+def test_panes_keep_the_newest_line_in_view(widget_view):
+    """Issue 47: a pane longer than its box opened at its first lines, the newest below the fold. Laid out as a
+    reversed column, a scrolling box starts at (and stays anchored to) its bottom."""
+    for pane in widget_view.panes.values():
+        assert (pane.layout.display, pane.layout.flex_flow, pane.layout.overflow) == ("flex", "column-reverse", "auto")
 
 
 def test_panes_wrap_between_words(widget_view):

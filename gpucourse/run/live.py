@@ -30,9 +30,12 @@ def shown(lines: list[Line]) -> list[Line]:
 
 
 def with_rank(ln: Line) -> str:
-    """A line as the all-ranks view shows it, prefixed by its rank; torch's own messages (an uncaught
-    exception's traceback, c10d warnings) already start with `[rank1]:`, and one prefix is enough."""
-    return ln.text if ln.text.startswith(f"[rank{ln.rank}]:") else f"[rank {ln.rank}] {ln.text}"
+    """A line as the all-ranks view shows it, prefixed by its rank as `[rank 1] `. torch prefixes its own messages
+    (an uncaught exception's traceback, c10d warnings) with `[rank1]: `: that prefix is replaced by the view's, so
+    that one pane reads with one kind of prefix (a rank's own pane and its log file keep the line as written)."""
+    torch_prefix = f"[rank{ln.rank}]:"
+    text = ln.text[len(torch_prefix):].removeprefix(" ") if ln.text.startswith(torch_prefix) else ln.text
+    return f"[rank {ln.rank}] {text}"
 
 
 class Progress:
@@ -113,7 +116,10 @@ class WidgetView:
                                  layout=w.Layout(width="60%"))
         self.bar_label = w.Label("")
         self.bar_row = w.HBox([self.bar, self.bar_label], layout=w.Layout(display="none"))  # shown with a total
-        self.pane_layout = w.Layout(max_height="260px", overflow="auto", border="1px solid #ddd")
+        # column-reverse: a pane that scrolls starts at its bottom, and stays there as lines come (unless the
+        # learner scrolls up to read): the newest line is the one in view, not the first.
+        self.pane_layout = w.Layout(max_height="260px", overflow="auto", border="1px solid #ddd", display="flex",
+                                    flex_flow="column-reverse")
         self.panes = {"all": w.Output(layout=self.pane_layout)}  # "all", then each rank that printed, by rank
         self.buffers = {"all": collections.deque(maxlen=self.MAX_LINES * 2)}
         self.dirty: set = set()

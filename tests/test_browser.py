@@ -736,3 +736,34 @@ def test_many_launches_in_one_cell(lab, browser):
         assert_fits(view)
     save_shot(cell, "cell")
     assert_nothing_running(lab)
+
+
+def test_printed_words_wrap_whole_and_live_panes_show_their_newest_line(lab, browser):
+    """Issue 47: JupyterLab's output style broke printed words anywhere ("MAS|TER_ADDR"); importing gpucourse puts
+    word-break back to normal on the page, and it stays when the importing cell runs again. A live pane longer
+    than its box shows its newest line, not its first."""
+    cells = [nbformat.v4.new_code_cell("import gpucourse"),
+             nbformat.v4.new_code_cell("print(' '.join(['MASTER_ADDR'] * 60))"),
+             nbformat.v4.new_code_cell("from gpucourse.run import live\nfrom gpucourse.run.tail import Line\n"
+                                       "view = live.WidgetView('job', 1)\n"
+                                       "view.update([Line(0, 'stdout', f'line {i}') for i in range(100)], [], 'r')\n"
+                                       "view._flush('running')")]
+    write_notebook(lab, "wrap.ipynb", cells)
+    page = open_notebook(browser, lab, "wrap.ipynb")
+    run_all(page)
+    wait_all_ran(page, "wrap.ipynb")
+    printed = page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea-output pre").first
+    scroll_to(printed)
+    assert printed.evaluate("el => getComputedStyle(el).wordBreak") == "normal" and "MASTER_ADDR" in printed.inner_text()
+    page.evaluate(f"path => {{ {PANEL} panel.content.activeCellIndex = 0; "
+                  "window.jupyterapp.commands.execute('notebook:run-cell'); }", "wrap.ipynb")
+    time.sleep(3)
+    assert printed.evaluate("el => getComputedStyle(el).wordBreak") == "normal"  # still, after a re-run
+    pane = page.locator(".widget-tab-contents > .widget-output:not(.lm-mod-hidden)").first
+    scroll_to(pane)
+    # the text's bottom (its newest line) at the pane's bottom edge, its top (the first lines) scrolled off above
+    seen = pane.evaluate("""el => { const box = el.getBoundingClientRect();
+        const text = el.querySelector('pre').getBoundingClientRect();
+        return {last: Math.abs(text.bottom - box.bottom) < 30, first: text.top >= box.top}; }""")
+    save_shot(page, "wrap-and-newest-line")
+    assert seen == {"first": False, "last": True}, seen

@@ -161,3 +161,19 @@ def test_a_status_line_says_state_time_steps_and_the_last_line():
     assert "running" in slot.value and "4/10 steps" in slot.value and "[rank 1] step 3 loss 0.5" in slot.value
     view.finish(result(ok=False, error=RootCause("rank 1 was killed by SIGKILL", rank=1)))
     assert "failed" in slot.value and "rank 1 was killed by SIGKILL" in slot.value and "4/10 steps" in slot.value
+
+
+def test_a_kernel_gets_the_output_style_once_and_a_rank_never(monkeypatch):
+    """Issue 47: printed words cut anywhere by JupyterLab's `word-break: break-all`. In a kernel, the first import
+    of gpucourse displays the JavaScript that puts a whole-word rule into the page's head (once per kernel);
+    outside a kernel nothing is displayed (tests/test_browser.py checks the style the browser computes)."""
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj, raw=False: shown.append((obj, raw)))
+    monkeypatch.setattr(live, "_styled", False)
+    monkeypatch.setattr(live, "in_notebook", lambda: False)
+    assert live.style_notebook_outputs() is False and shown == []
+    monkeypatch.setattr(live, "in_notebook", lambda: True)
+    assert live.style_notebook_outputs() is True and live.style_notebook_outputs() is False
+    assert shown == [({"application/javascript": live.OUTPUT_STYLE_JS}, True)]
+    assert "word-break: normal" in live.OUTPUT_CSS and live.OUTPUT_CSS in live.OUTPUT_STYLE_JS
+    assert ".jp-OutputArea-output pre" in live.OUTPUT_CSS and "document.head.appendChild" in live.OUTPUT_STYLE_JS

@@ -246,6 +246,34 @@ class SilentView:
         pass
 
 
+# JupyterLab breaks every output's text at any character (`.jp-OutputArea-output pre {word-break: break-all}`), which
+# cuts printed words in two: "MAS|TER_ADDR", "doe|sn't". The course puts word-break back to normal on the page, once
+# per kernel (the first `import gpucourse`): lines then wrap between words, and only a token longer than the
+# output area is still cut. The rule goes into the page's <head> by a line of JavaScript, so it stays when the
+# cell that imported gpucourse is run again or cleared; where JavaScript outputs do not run, nothing changes.
+OUTPUT_STYLE_ID = "gpucourse-output-style"
+OUTPUT_CSS = (".jp-OutputArea-output pre, .jp-OutputArea-output.jp-RenderedText "
+              "{word-break: normal; overflow-wrap: anywhere}")
+OUTPUT_STYLE_JS = (f"if (!document.getElementById('{OUTPUT_STYLE_ID}')) {{ const s = document.createElement('style'); "
+                   f"s.id = '{OUTPUT_STYLE_ID}'; s.textContent = '{OUTPUT_CSS}'; document.head.appendChild(s); }}")
+
+
+def style_notebook_outputs() -> bool:
+    """In a Jupyter kernel, display (once per kernel) the JavaScript that sets OUTPUT_CSS on the page; True when it
+    was displayed now. Does nothing outside a kernel: a rank, a script, pytest (IPython is not even imported)."""
+    global _styled
+    if _styled or "IPython" not in sys.modules or not in_notebook():
+        return False
+    from IPython.display import display
+
+    display({"application/javascript": OUTPUT_STYLE_JS}, raw=True)
+    _styled = True
+    return True
+
+
+_styled = False
+
+
 def in_notebook() -> bool:
     try:
         from IPython import get_ipython

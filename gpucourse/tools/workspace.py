@@ -6,7 +6,8 @@
 mywork/ sits beside notebooks/, so a chapter's relative paths (../scripts, ../exercises, ../solutions) mean the
 same from either. The checkout is the one the command is run in (the working directory or a folder above it): with
 two clones and one environment, each clone gets its own mywork/. Run outside any clone, it is the checkout the
-package was installed from; the output names the folder either way. What was copied is recorded in mywork/.copied.json (chapter file -> sha256 of the course's
+package was installed from; the output names the folder either way.
+What was copied is recorded in mywork/.copied.json (chapter file -> sha256 of the course's
 version at copy time): a chapter whose course version has changed since is reported, never overwritten.
 """
 from __future__ import annotations

@@ -49,3 +49,6 @@ def __getattr__(name):
 
 
 __all__ = sorted([*_NAMES, *_MODULES])
+
+if "IPython" in __import__("sys").modules:  # in a notebook: words in printed output wrap whole (run/live.py)
+    import_module("gpucourse.run.live").style_notebook_outputs()

@@ -15,6 +15,7 @@ One rank is enough: precision is about what each rank holds and computes, whatev
 """
 import argparse
 import gc
+import math
 
 import torch
 from torch import nn
@@ -167,7 +168,8 @@ def run_scaler(args, device):
             grew = good_in_a_row == args.growth_interval
             assert changed and new_scale == scale * (2.0 if grew else 1.0), (step, changed, scale, new_scale)
             good_in_a_row = 0 if grew else good_in_a_row
-        runtime.log(part="scaler", step=step, scale=scale, new_scale=new_scale, overflow=overflow,
+        # "scaler_step", not "step": runtime.log's step drives the launcher's progress ("20 steps done")
+        runtime.log(part="scaler", scaler_step=step, scale=scale, new_scale=new_scale, overflow=overflow,
                     params_changed=changed, loss=loss.item())
 
 
@@ -216,8 +218,11 @@ def main():
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     ctx = runtime.setup(seed=0)
     for recipe in args.recipes:
+        print(f"recipe {recipe}: {args.steps} AdamW step(s), then the bytes of the model states counted")
         run_recipe(recipe, args, ctx.device)
+    print(f"fp16 + GradScaler: {args.scaler_steps} steps, the scale started at 2^{math.log2(args.init_scale):g}")
     run_scaler(args, ctx.device)
+    print(f"fp16 without a scaler: gradients that underflow to zero, at residuals {args.residuals}")
     run_underflow(args, ctx.device)
     runtime.teardown()
 

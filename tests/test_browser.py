@@ -328,9 +328,9 @@ def test_chapter_00_shows_a_live_view_per_launch(lab, browser):
     assert failed.locator(".widget-hprogress").count() == 0  # it logs no total: a bar would have nothing to count
     assert failed.locator(".lm-TabBar-tab.lm-mod-current").inner_text() == "rank 1"
     assert "RuntimeError" in shown_pane(failed).inner_text()
-    # torch's '[rank1]: ' prefix on the traceback is the only one there: no '[rank 1] [rank1]: '.
+    # One kind of prefix in the all-ranks pane: torch's '[rank1]: ' on the traceback becomes the view's '[rank 1] '.
     failed_everyone = shown_pane(failed, "all ranks").inner_text()
-    assert "[rank1]: " in failed_everyone and "[rank 1] [rank1]:" not in failed_everyone
+    assert "[rank 1] Traceback" in failed_everyone and "[rank1]:" not in failed_everyone
     # Kineto's 'USDT: ... profiler_start' lines stay in the log files, off the page (the all-ranks panes).
     assert not [text for text in (everyone, shown_pane(one).inner_text(), failed_everyone) if "USDT" in text]
 
@@ -736,3 +736,35 @@ def test_many_launches_in_one_cell(lab, browser):
         assert_fits(view)
     save_shot(cell, "cell")
     assert_nothing_running(lab)
+
+
+def test_printed_words_wrap_whole_and_live_panes_show_their_newest_line(lab, browser):
+    """Issue 47: JupyterLab's output style broke printed words anywhere ("MAS|TER_ADDR"); importing gpucourse puts
+    word-break back to normal on the page, and it stays when the importing cell runs again. A live pane longer
+    than its box shows its newest line, not its first."""
+    cells = [nbformat.v4.new_code_cell("import gpucourse"),
+             nbformat.v4.new_code_cell("print(' '.join(['MASTER_ADDR'] * 60))"),
+             nbformat.v4.new_code_cell("from gpucourse.run import live\nfrom gpucourse.run.tail import Line\n"
+                                       "view = live.WidgetView('job', 1)\n"
+                                       "view.update([Line(0, 'stdout', f'line {i}') for i in range(100)], [], 'r')\n"
+                                       "view._flush('running')")]
+    write_notebook(lab, "wrap.ipynb", cells)
+    page = open_notebook(browser, lab, "wrap.ipynb")
+    run_all(page)
+    wait_all_ran(page, "wrap.ipynb")
+    printed = page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea-output pre").first
+    scroll_to(printed)
+    assert "MASTER_ADDR" in printed.inner_text()
+    assert printed.evaluate("el => getComputedStyle(el).wordBreak") == "normal"
+    page.evaluate(f"path => {{ {PANEL} panel.content.activeCellIndex = 0; "
+                  "window.jupyterapp.commands.execute('notebook:run-cell'); }", "wrap.ipynb")
+    time.sleep(3)
+    assert printed.evaluate("el => getComputedStyle(el).wordBreak") == "normal"  # still, after a re-run
+    pane = page.locator(".widget-tab-contents > .widget-output:not(.lm-mod-hidden)").first
+    scroll_to(pane)
+    # the text's bottom (its newest line) at the pane's bottom edge, its top (the first lines) scrolled off above
+    seen = pane.evaluate("""el => { const box = el.getBoundingClientRect();
+        const text = el.querySelector('pre').getBoundingClientRect();
+        return {last: Math.abs(text.bottom - box.bottom) < 30, first: text.top >= box.top}; }""")
+    save_shot(page, "wrap-and-newest-line")
+    assert seen == {"first": False, "last": True}, seen

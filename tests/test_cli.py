@@ -97,3 +97,24 @@ def test_course_refuses_unknown_notebook_names():
     out = run_cli("course", "--only", "99_nope")
     assert out.returncode == 2
     assert "no notebook matches 99_nope" in out.stderr and "00_setup_and_first_launch" in out.stderr
+
+
+def test_course_runs_notebooks_without_ipykernels_tcp_warning(tmp_path):
+    """Issue 47: `gpucourse course` printed ipykernel's "Kernel is running over TCP without encryption" once per
+    notebook. Its kernels talk over Unix sockets (tools/course.py, local_kernel_manager): no warning, same run."""
+    import subprocess
+    import sys
+
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("print(6 * 7)")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "99_probe.ipynb")
+    code = ("import sys; from pathlib import Path; from gpucourse.tools.course import execute_notebook; "
+            "r = execute_notebook(Path(sys.argv[1]), Path(sys.argv[2])); print(r.status)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "99_probe.ipynb"), str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+    assert "without encryption" not in out.stderr + out.stdout
+    assert nbformat.read(tmp_path / "out" / "99_probe.ipynb", 4).cells[0].outputs[0]["text"] == "42\n"

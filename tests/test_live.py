@@ -55,11 +55,11 @@ def test_text_view_leaves_profiler_noise_out(capsys):
     assert "USDT" not in out + err and "[rank 1] step 1" in out
 
 
-def test_torch_rank_prefix_is_not_doubled(widget_view, capsys):
+def test_torch_rank_prefix_becomes_the_views_own(widget_view, capsys):
     lines = [Line(1, "stderr", "[rank1]: Traceback (most recent call last):"),
              Line(1, "stderr", "[rank0]: a message about rank 0, printed by rank 1"),
              Line(1, "stderr", "[rank1] no colon: not torch's prefix")]
-    expected = ["[rank1]: Traceback (most recent call last):",
+    expected = ["[rank 1] Traceback (most recent call last):",  # one kind of prefix in a pane (issue 47)
                 "[rank 1] [rank0]: a message about rank 0, printed by rank 1",
                 "[rank 1] [rank1] no colon: not torch's prefix"]
     widget_view.update(lines, [], "running")
@@ -119,6 +119,13 @@ def test_the_bar_shows_a_count_or_is_not_shown(widget_view):
     assert widget_view.bar_row in widget_view.box.children and "steps" not in widget_view.status.value
 
 
+def test_panes_keep_the_newest_line_in_view(widget_view):
+    """Issue 47: a pane longer than its box opened at its first lines, the newest below the fold. Laid out as a
+    reversed column, a scrolling box starts at (and stays anchored to) its bottom."""
+    for pane in widget_view.panes.values():
+        assert (pane.layout.display, pane.layout.flex_flow, pane.layout.overflow) == ("flex", "column-reverse", "auto")
+
+
 def test_panes_wrap_between_words(widget_view):
     """JupyterLab's `.jp-OutputArea-output pre {word-break: break-all}` cuts words; the view's own rule,
     on its own class and one step more specific, puts word-break back to normal (tests/test_browser.py
@@ -154,3 +161,19 @@ def test_a_status_line_says_state_time_steps_and_the_last_line():
     assert "running" in slot.value and "4/10 steps" in slot.value and "[rank 1] step 3 loss 0.5" in slot.value
     view.finish(result(ok=False, error=RootCause("rank 1 was killed by SIGKILL", rank=1)))
     assert "failed" in slot.value and "rank 1 was killed by SIGKILL" in slot.value and "4/10 steps" in slot.value
+
+
+def test_a_kernel_gets_the_output_style_once_and_a_rank_never(monkeypatch):
+    """Issue 47: printed words cut anywhere by JupyterLab's `word-break: break-all`. In a kernel, the first import
+    of gpucourse displays the JavaScript that puts a whole-word rule into the page's head (once per kernel);
+    outside a kernel nothing is displayed (tests/test_browser.py checks the style the browser computes)."""
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj, raw=False: shown.append((obj, raw)))
+    monkeypatch.setattr(live, "_styled", False)
+    monkeypatch.setattr(live, "in_notebook", lambda: False)
+    assert live.style_notebook_outputs() is False and shown == []
+    monkeypatch.setattr(live, "in_notebook", lambda: True)
+    assert live.style_notebook_outputs() is True and live.style_notebook_outputs() is False
+    assert shown == [({"application/javascript": live.OUTPUT_STYLE_JS}, True)]
+    assert "word-break: normal" in live.OUTPUT_CSS and live.OUTPUT_CSS in live.OUTPUT_STYLE_JS
+    assert ".jp-OutputArea-output pre" in live.OUTPUT_CSS and "document.head.appendChild" in live.OUTPUT_STYLE_JS

@@ -152,8 +152,8 @@ def test_stacked_bars_stack_each_part_on_the_last_and_mark_the_modelled():
 
 
 def test_loss_scale_plot_marks_each_skipped_step_at_its_scale():
-    steps = [{"step": 0, "scale": 2.0**28, "overflow": True}, {"step": 1, "scale": 2.0**27, "overflow": True},
-             {"step": 2, "scale": 2.0**26, "overflow": False}]
+    steps = [{"scaler_step": 0, "scale": 2.0**28, "overflow": True}, {"scaler_step": 1, "scale": 2.0**27, "overflow": True},
+             {"scaler_step": 2, "scale": 2.0**26, "overflow": False}]
     ax = plots.loss_scale_plot(steps, "cpu, gloo, 1 rank").axes[0]
     used, skipped = ax.lines
     assert list(used.get_ydata()) == [28, 27, 26] and list(skipped.get_xdata()) == [0, 1]

@@ -12,7 +12,7 @@ import pytest
 from gpucourse.run.contract import RUN_DIR_ENV, root_rank
 from gpucourse.run.launcher import launch
 
-from .conftest import JOBS
+from .conftest import JOBS, ROOT
 
 FAIL_MODES = JOBS / "fail_modes.py"
 NPROC = 3
@@ -107,3 +107,51 @@ def test_root_rank_order_without_processes():
     assert root_rank([_failure(0, -11, "SIGSEGV", timestamp=101), _failure(2, -6, "SIGABRT")]) == 2
     # Only stopped ranks (someone killed the job's rank from outside): the earliest, then the lowest.
     assert root_rank([_failure(0, *sigterm), _failure(2, *sigkill, timestamp=99)]) == 2
+
+
+def _failed_run(tmp_path, failures, nproc=2):
+    """A run directory as the launcher leaves a failed 1-node job (manifest + the agent's exit file), no processes."""
+    import json
+
+    from gpucourse.run.contract import exit_file, manifest_file
+
+    manifest = {"name": "x", "script": str(ROOT / "scripts" / "00_failure.py"), "args": ["--failing-rank", "1"],
+                "backend": "gloo", "nproc_per_node": nproc, "nnodes": 1, "world_size": nproc, "max_restarts": 0,
+                "status": "failed", "start": 100.0, "duration": 5.0}
+    tmp_path.mkdir(parents=True)
+    manifest_file(tmp_path).write_text(json.dumps(manifest))
+    exit_file(tmp_path, "").write_text(json.dumps({"status": "failed", "root_rank": root_rank(failures),
+                                                   "failures": failures}))
+    from gpucourse.run.result import load_run
+
+    return load_run(tmp_path)
+
+
+GLOO_PEER = {"message": "RuntimeError: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                        "closed by peer [127.0.0.1]:48299. This is typically caused by a remote worker crashing.",
+             "traceback": "..."}
+OWN_ERROR = {"message": "RuntimeError: size mismatch, got input (3), mat (3x4), vec (3)", "traceback": "..."}
+
+
+def test_chapter_00s_failure_story_is_read_from_the_run(tmp_path):
+    """Issue 47: chapter 00 taught that exit code 1 marks the culprit and -15 the bystanders, under a run whose two
+    ranks both exited 1 (gloo: the survivor raises 'Connection closed by peer'). The story is told from the run."""
+    from gpucourse.viz.reports import failure_story
+
+    gloo = _failed_run(tmp_path / "gloo", [_failure(0, 1, message=GLOO_PEER, timestamp=101),
+                                           _failure(1, 1, message=OWN_ERROR, timestamp=100)])
+    assert [(e.rank, e.exitcode, e.second, e.kind, e.root_cause) for e in gloo.failures] == [
+        (0, 1, 1, "reported a peer's failure", False), (1, 1, 0, "failed on its own", True)]
+    story = failure_story(gloo).replace("\n", " ")
+    assert "Rank 0 ended exactly as rank 1 did (exit code 1): the exit codes alone cannot name the culprit" in story
+    assert "Rank 0 did not wait to be stopped" in story and "pair.cc" not in story
+    assert "names rank 1: it failed on its own, and it was the first to fail (+0 s)" in story
+    assert gloo.command == "torchrun --standalone --nproc-per-node 2 scripts/00_failure.py --failing-rank 1"
+
+    # NCCL's usual way: the survivors wait in the collective until torchrun stops them, in the same second.
+    nccl = _failed_run(tmp_path / "nccl", [_failure(0, -15, "SIGTERM"), _failure(1, 1, message=OWN_ERROR),
+                                           _failure(2, -15, "SIGTERM")], nproc=3)
+    story = failure_story(nccl).replace("\n", " ")
+    assert "the exit codes differ" in story and "cannot name" not in story and "did not wait" not in story
+    assert "Ranks 0 and 2 were stopped by torchrun: bystanders." in story
+    assert "in the same second as ranks 0 and 2, so the clock alone could not order them" in story

@@ -289,8 +289,8 @@ def test_recipe_tables_flag_a_part_off_its_formula_and_mark_fp8_modelled():
 
 
 def test_loss_scale_steps_and_faults():
-    good = [{"step": 0, "scale": 2.0**28, "overflow": True, "params_changed": False, "new_scale": 2.0**27, "loss": 1},
-            {"step": 1, "scale": 2.0**27, "overflow": False, "params_changed": True, "new_scale": 2.0**27, "loss": .5}]
+    good = [{"scaler_step": 0, "scale": 2.0**28, "overflow": True, "params_changed": False, "new_scale": 2.0**27, "loss": 1},
+            {"scaler_step": 1, "scale": 2.0**27, "overflow": False, "params_changed": True, "new_scale": 2.0**27, "loss": .5}]
     assert tables.loss_scale_steps(good).loc[0, "new scale"] == "2^27"
     assert tables.loss_scale_faults(good) == []
     stepped_anyway = [good[0] | {"params_changed": True}]

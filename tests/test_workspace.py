@@ -2,12 +2,13 @@
 overwritten, updates reported, a refresh keeps the learner's copy. (Every chapter runs from such a copy in
 tests/test_notebooks.py.)"""
 import json
+from pathlib import Path
 
 import pytest
 
 from gpucourse.tools.workspace import RECORD, WorkspaceError, refresh, sync
 
-from .conftest import run_cli
+from .conftest import ROOT, run_cli
 
 
 @pytest.fixture
@@ -73,3 +74,28 @@ def test_a_lettered_chapter_follows_its_number_everywhere(tmp_path, monkeypatch)
     sync(mine, found)
     assert refresh(mine, "07", found)[0].name == "07_a.ipynb"
     assert refresh(mine, "07b", found)[0].name == "07b_b.ipynb"
+
+
+def test_the_workspace_goes_beside_the_clone_it_is_run_in(tmp_path):
+    """Issue 47: two clones, one environment: `gpucourse workspace` run in the second clone (here, from a folder
+    inside it) copies that clone's chapters into that clone's mywork/, not the installed package's checkout's."""
+    from gpucourse.run.paths import project_root
+
+    clone = tmp_path / "second-clone"
+    (clone / "notebooks").mkdir(parents=True)
+    (clone / "scripts").mkdir()
+    (clone / "pyproject.toml").write_text('[project]\nname = "gpucourse"\n')
+    (clone / "notebooks" / "00_only_here.ipynb").write_text(json.dumps({"cells": [], "v": "clone"}))
+    out = run_cli("workspace", cwd=clone / "scripts")
+    assert out.returncode == 0, out.stderr
+    assert [p.name for p in (clone / "mywork").glob("*.ipynb")] == ["00_only_here.ipynb"]
+    assert f"the course's chapters: {clone / 'notebooks'}/" in out.stdout and f"{clone / 'mywork'}/" in out.stdout
+    assert not (project_root() / "mywork" / "00_only_here.ipynb").exists()
+
+
+def test_outside_any_clone_the_workspace_names_the_packages_checkout(tmp_path):
+    from gpucourse.tools.workspace import checkout_of, course_notebooks
+
+    (tmp_path / "notebooks").mkdir()  # a notebooks/ folder alone is not a checkout of the course
+    assert checkout_of(tmp_path) is None
+    assert course_notebooks(tmp_path) == course_notebooks(Path(__file__).parent) == ROOT / "notebooks"

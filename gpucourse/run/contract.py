@@ -103,11 +103,23 @@ PEER_REPORTS = ("remote worker", "Connection closed by peer", "Connection reset 
 STOP_SIGNALS = ("SIGTERM", "SIGKILL", "SIGINT", "SIGHUP")
 
 
+OWN, PEER, STOPPED = "failed on its own", "reported a peer's failure", "stopped by torchrun"
+
+
+def failure_kind(failure: dict) -> str:
+    """How a rank of an exit file's failure records ended: stopped by torchrun (a stop signal), reporting a peer's
+    failure (its message is gloo's "Connection closed by peer", ...), or failed on its own (anything else: an
+    exception, a crash signal, a non-zero exit code)."""
+    if failure.get("signal") in STOP_SIGNALS:
+        return STOPPED
+    return PEER if any(text in json.dumps(failure["message"]) for text in PEER_REPORTS) else OWN
+
+
 def blame_key(failure: dict) -> tuple:
     """Sort key of an exit file's failure records: the first one is the root cause (see root_rank)."""
-    stopped = failure.get("signal") in STOP_SIGNALS
-    peer_report = any(text in json.dumps(failure["message"]) for text in PEER_REPORTS)
-    return (stopped, peer_report, failure["timestamp"], not isinstance(failure["message"], dict), failure["rank"])
+    kind = failure_kind(failure)
+    return (kind == STOPPED, kind == PEER, failure["timestamp"], not isinstance(failure["message"], dict),
+            failure["rank"])
 
 
 def root_rank(failures: list[dict]) -> int:

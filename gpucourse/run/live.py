@@ -30,9 +30,12 @@ def shown(lines: list[Line]) -> list[Line]:
 
 
 def with_rank(ln: Line) -> str:
-    """A line as the all-ranks view shows it, prefixed by its rank; torch's own messages (an uncaught
-    exception's traceback, c10d warnings) already start with `[rank1]:`, and one prefix is enough."""
-    return ln.text if ln.text.startswith(f"[rank{ln.rank}]:") else f"[rank {ln.rank}] {ln.text}"
+    """A line as the all-ranks view shows it, prefixed by its rank as `[rank 1] `. torch prefixes its own messages
+    (an uncaught exception's traceback, c10d warnings) with `[rank1]: `: that prefix is replaced by the view's, so
+    that one pane reads with one kind of prefix (a rank's own pane and its log file keep the line as written)."""
+    torch_prefix = f"[rank{ln.rank}]:"
+    text = ln.text[len(torch_prefix):].removeprefix(" ") if ln.text.startswith(torch_prefix) else ln.text
+    return f"[rank {ln.rank}] {text}"
 
 
 class Progress:
@@ -113,7 +116,10 @@ class WidgetView:
                                  layout=w.Layout(width="60%"))
         self.bar_label = w.Label("")
         self.bar_row = w.HBox([self.bar, self.bar_label], layout=w.Layout(display="none"))  # shown with a total
-        self.pane_layout = w.Layout(max_height="260px", overflow="auto", border="1px solid #ddd")
+        # column-reverse: a pane that scrolls starts at its bottom, and stays there as lines come (unless the
+        # learner scrolls up to read): the newest line is the one in view, not the first.
+        self.pane_layout = w.Layout(max_height="260px", overflow="auto", border="1px solid #ddd", display="flex",
+                                    flex_flow="column-reverse")
         self.panes = {"all": w.Output(layout=self.pane_layout)}  # "all", then each rank that printed, by rank
         self.buffers = {"all": collections.deque(maxlen=self.MAX_LINES * 2)}
         self.dirty: set = set()
@@ -238,6 +244,34 @@ class SilentView:
 
     def finish(self, result, interrupted: bool = False):
         pass
+
+
+# JupyterLab breaks every output's text at any character (`.jp-OutputArea-output pre {word-break: break-all}`), which
+# cuts printed words in two: "MAS|TER_ADDR", "doe|sn't". The course puts word-break back to normal on the page, once
+# per kernel (the first `import gpucourse`): lines then wrap between words, and only a token longer than the
+# output area is still cut. The rule goes into the page's <head> by a line of JavaScript, so it stays when the
+# cell that imported gpucourse is run again or cleared; where JavaScript outputs do not run, nothing changes.
+OUTPUT_STYLE_ID = "gpucourse-output-style"
+OUTPUT_CSS = (".jp-OutputArea-output pre, .jp-OutputArea-output.jp-RenderedText "
+              "{word-break: normal; overflow-wrap: anywhere}")
+OUTPUT_STYLE_JS = (f"if (!document.getElementById('{OUTPUT_STYLE_ID}')) {{ const s = document.createElement('style'); "
+                   f"s.id = '{OUTPUT_STYLE_ID}'; s.textContent = '{OUTPUT_CSS}'; document.head.appendChild(s); }}")
+
+
+def style_notebook_outputs() -> bool:
+    """In a Jupyter kernel, display (once per kernel) the JavaScript that sets OUTPUT_CSS on the page; True when it
+    was displayed now. Does nothing outside a kernel: a rank, a script, pytest (IPython is not even imported)."""
+    global _styled
+    if _styled or "IPython" not in sys.modules or not in_notebook():
+        return False
+    from IPython.display import display
+
+    display({"application/javascript": OUTPUT_STYLE_JS}, raw=True)
+    _styled = True
+    return True
+
+
+_styled = False
 
 
 def in_notebook() -> bool:

@@ -14,13 +14,14 @@ from __future__ import annotations
 import html
 import json
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .contract import (EVENT_SETUP, EVENT_TEARDOWN, MANIFEST, RUNTIME_EVENTS, STOP_SIGNALS, STREAMS, blame_key,
-                       exit_files, manifest_file, metrics_files, rank_log, traces_dir)
+                       exit_files, failure_kind, manifest_file, metrics_files, rank_log, traces_dir)
 from .forensics import KINDS, diagnose, forensics_dir
-from .paths import runs_root
+from .paths import project_root, runs_root
 
 STATUS_TEXT = {"ok": "finished", "failed": "failed", "timeout": "timed out", "stalled": "stalled",
                "interrupted": "interrupted", "running": "running", "unknown": "unknown"}
@@ -113,6 +114,24 @@ def device_kinds(devices: dict[int, str]) -> str:
     return "+".join(sorted({d.partition(":")[0] for d in devices.values()}))
 
 
+@dataclass(frozen=True)
+class RankEnd:
+    """How one failed rank ended, as its agent recorded it (the exit file): what the launcher's root cause is
+    chosen from (contract.root_rank).
+
+    kind: contract.OWN, PEER or STOPPED (contract.failure_kind). second: when torchrun saw it fail, in whole
+    seconds (torchrun's resolution) after the first failure of the run. message: the last line of what it raised.
+    """
+
+    rank: int
+    exitcode: int
+    signal: str
+    second: int
+    kind: str
+    message: str
+    root_cause: bool
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -162,6 +181,42 @@ class RunResult:
         """Where the ranks computed ('cpu', 'cuda', 'cpu+cuda'), as they reported it. No rank reported (a crash
         before runtime.setup, or a script without it): the launcher's guess, marked as such."""
         return device_kinds(self.devices) or f"device not reported (planned {self.manifest.get('device', '?')})"
+
+    @property
+    def failures(self) -> list[RankEnd]:
+        """Every rank that failed, by rank, with how it ended and whether the launcher names it the root cause
+        (empty for a run that finished, or one the launcher stopped itself)."""
+        records = [f for p in exit_files(self.run_dir) if (e := _read_json(p)) and e.get("status") == "failed"
+                   for f in e["failures"]]
+        if not records:
+            return []
+        root, first = min(records, key=blame_key)["rank"], min(f["timestamp"] for f in records)
+        out = []
+        for f in sorted(records, key=lambda f: f["rank"]):
+            msg = f["message"]
+            text = msg.get("message", "") if isinstance(msg, dict) else str(msg or "")
+            signal = f.get("signal") if f.get("signal") not in (None, "<N/A>") else ""
+            out.append(RankEnd(f["rank"], f["exitcode"], signal, int(f["timestamp"] - first), failure_kind(f),
+                               _last_line(text), f["rank"] == root))
+        return out
+
+    @property
+    def command(self) -> str:
+        """The torchrun command a person would type for this job, from the course's folder: what the launcher ran,
+        less its own options (per-rank log files, no restarts) and its agent. The manifest keeps the exact one."""
+        m = self.manifest
+        script = Path(m.get("script", "?"))
+        root = project_root()
+        if root and script.is_relative_to(root):
+            script = script.relative_to(root)
+        if m.get("nnodes", 1) > 1:
+            nodes = ["--nnodes", str(m["nnodes"]), "--node-rank", str(m.get("node_rank", 0)), "--rdzv-backend",
+                     "c10d", "--rdzv-endpoint", str(m.get("rdzv_endpoint")), "--rdzv-id", str(m.get("rdzv_id"))]
+        else:
+            nodes = ["--standalone"]
+        restarts = ["--max-restarts", str(m["max_restarts"])] if m.get("max_restarts") else []
+        return shlex.join(["torchrun", *nodes, "--nproc-per-node", str(m.get("nproc_per_node", self.world_size)),
+                           *restarts, str(script), *m.get("args", [])])
 
     def metric(self, key: str, rank: int = 0) -> list:
         """The values of one metric logged by `rank`, in order."""

@@ -42,10 +42,10 @@ def chapter_key(path: Path) -> str:
     return found.group(1)
 
 
-def find_notebooks(only: list[str] | None = None) -> list[Path]:
-    """Chapter notebooks in order; `only` keeps those whose name starts with or contains one of the names
-    ("07" keeps 07 and 07b; "07b" or "07_" one of them)."""
-    books = sorted(p for p in notebooks_dir().glob(NOTEBOOK_GLOB) if CHAPTER_NAME.fullmatch(p.name))
+def find_notebooks(only: list[str] | None = None, folder: Path | None = None) -> list[Path]:
+    """Chapter notebooks in order (of `folder`, default: the notebooks/ of the checkout this package is in); `only`
+    keeps those whose name starts with or contains one of the names ("07" keeps 07 and 07b; "07b" or "07_" one)."""
+    books = sorted(p for p in (folder or notebooks_dir()).glob(NOTEBOOK_GLOB) if CHAPTER_NAME.fullmatch(p.name))
     if not only:
         return books
     picked = [nb for nb in books if any(nb.stem.startswith(n) or n in nb.stem for n in only)]
@@ -118,6 +118,21 @@ class NotebookRun:
     error: str = ""
 
 
+def local_kernel_manager():
+    """The kernel manager of the course's batch runs: jupyter_client's, talking to the kernel over Unix sockets (ZeroMQ
+    `ipc`) instead of TCP on 127.0.0.1. Over TCP, ipykernel 7 warns once per kernel that its traffic is not
+    encrypted (right: any local user could connect to the ports), which printed between `gpucourse course`'s
+    progress lines once per notebook. The kernel runs on this machine, so sockets in the user's private runtime
+    folder (mode 0700) need no encryption, and ipykernel has nothing to warn about."""
+    from jupyter_client import AsyncKernelManager
+    from traitlets import CaselessStrEnum
+
+    class LocalKernelManager(AsyncKernelManager):
+        transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
+
+    return LocalKernelManager
+
+
 def execute_notebook(path: Path, output_dir: Path, *, smoke: bool = False, parameters: dict | None = None,
                      cell_timeout: float | None = 600, kernel: str = "python3") -> NotebookRun:
     """Run one notebook with papermill in its own folder; never raises for an error inside the notebook.
@@ -139,7 +154,8 @@ def execute_notebook(path: Path, output_dir: Path, *, smoke: bool = False, param
     start = time.monotonic()
     try:
         pm.execute_notebook(str(path), str(out), parameters=params, cwd=str(path.parent), kernel_name=kernel,
-                            execution_timeout=cell_timeout, progress_bar=False, log_output=False)
+                            execution_timeout=cell_timeout, progress_bar=False, log_output=False,
+                            kernel_manager_class=local_kernel_manager())
     except PapermillExecutionError as err:
         return NotebookRun(path.stem, "failed", time.monotonic() - start, out, err.cell_index,
                            f"{err.ename}: {err.evalue}")

@@ -4,7 +4,10 @@
     gpucourse workspace --refresh 05    take the course's current chapter 05; your copy is kept beside it
 
 mywork/ sits beside notebooks/, so a chapter's relative paths (../scripts, ../exercises, ../solutions) mean the
-same from either. What was copied is recorded in mywork/.copied.json (chapter file -> sha256 of the course's
+same from either. The checkout is the one the command is run in (the working directory or a folder above it): with
+two clones and one environment, each clone gets its own mywork/. Run outside any clone, it is the checkout the
+package was installed from; the output names the folder either way.
+What was copied is recorded in mywork/.copied.json (chapter file -> sha256 of the course's
 version at copy time): a chapter whose course version has changed since is reported, never overwritten.
 """
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .course import find_notebooks
+from .course import find_notebooks, notebooks_dir
 
 WORKSPACE = "mywork"
 RECORD = ".copied.json"
@@ -23,6 +26,23 @@ RECORD = ".copied.json"
 
 class WorkspaceError(ValueError):
     """A refresh names no chapter, or the record is unreadable: what was wrong and what to do."""
+
+
+def checkout_of(folder: Path) -> Path | None:
+    """The course checkout that `folder` is in (it, or the nearest folder above it, holding pyproject.toml of the
+    gpucourse project and a notebooks/ folder), or None."""
+    for root in [folder.resolve(), *folder.resolve().parents]:
+        project = root / "pyproject.toml"
+        if (root / "notebooks").is_dir() and project.is_file() and 'name = "gpucourse"' in project.read_text():
+            return root
+    return None
+
+
+def course_notebooks(cwd: Path | None = None) -> Path:
+    """The notebooks/ folder `gpucourse workspace` copies from: that of the checkout it is run in, else the
+    package's own (CourseError when there is neither)."""
+    root = checkout_of(Path.cwd() if cwd is None else cwd)
+    return root / "notebooks" if root else notebooks_dir()
 
 
 def digest(path: Path) -> str:
@@ -92,12 +112,15 @@ def add_cli(sub) -> None:
 
 
 def _main(args) -> int:
-    folder = Path(args.dir) if args.dir else find_notebooks()[0].parent.parent / WORKSPACE
+    source = course_notebooks()
+    chapters = find_notebooks(folder=source)
+    folder = Path(args.dir) if args.dir else source.parent / WORKSPACE
+    print(f"the course's chapters: {source}/")
     if args.refresh:
-        new, kept = refresh(folder, args.refresh)
+        new, kept = refresh(folder, args.refresh, chapters)
         print(f"{new}: the course's current version" + (f"; yours is now {kept.name}" if kept else ""))
         return 0
-    done = sync(folder)
+    done = sync(folder, chapters)
     if done["copied"]:
         print(f"copied into {folder}/: {', '.join(done['copied'])}")
     for name in done["updated"]:

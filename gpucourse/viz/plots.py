@@ -258,13 +258,13 @@ def stacked_bars(ax, labels, parts: dict, *, totals=None, totals_label: str = "f
 
 def loss_scale_plot(steps: list[dict], label: str = ""):
     """GradScaler's scale per step (log2), the overflowing steps (skipped, scale halved) marked.
-    steps: [{"step", "scale", "overflow"}] as the run logged them."""
+    steps: [{"scaler_step", "scale", "overflow"}] as the run logged them."""
     fig = Figure(figsize=(8, 3), layout="constrained")
     ax = fig.subplots()
     log2 = [math.log2(r["scale"]) for r in steps]
-    ax.step([r["step"] for r in steps], log2, where="post", label="log2(scale) used")
-    ax.plot([r["step"] for r in steps if r["overflow"]], [v for r, v in zip(steps, log2) if r["overflow"]], "rx",
-            ms=9, mew=2, label="overflow: step skipped, scale halved")
+    ax.step([r["scaler_step"] for r in steps], log2, where="post", label="log2(scale) used")
+    ax.plot([r["scaler_step"] for r in steps if r["overflow"]], [v for r, v in zip(steps, log2) if r["overflow"]],
+            "rx", ms=9, mew=2, label="overflow: step skipped, scale halved")
     ax.set(xlabel="step", ylabel="log2(loss scale)", title=f"GradScaler finding its scale: fp16 autocast ({label})")
     ax.set_yticks(range(math.floor(min(log2)), math.ceil(max(log2)) + 1))
     ax.legend(fontsize=8)

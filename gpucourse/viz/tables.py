@@ -376,9 +376,9 @@ def recipe_states(recipes: dict, optimizer: str = "adamw") -> pd.DataFrame:
 
 def loss_scale_steps(steps: list[dict]) -> pd.DataFrame:
     """GradScaler step by step: the scale used, whether a gradient overflowed, whether the step changed the
-    parameters, the scale after update(), the loss. steps: the run's records {"step", "scale", "overflow",
-    "params_changed", "new_scale", "loss"}."""
-    rows = [{"step": r["step"], "scale": f"2^{math.log2(r['scale']):g}", "overflow": r["overflow"],
+    parameters, the scale after update(), the loss. steps: the run's records {"scaler_step", "scale", "overflow",
+    "params_changed", "new_scale", "loss"} (not "step": that key drives the launcher's progress bar)."""
+    rows = [{"step": r["scaler_step"], "scale": f"2^{math.log2(r['scale']):g}", "overflow": r["overflow"],
              "step taken": r["params_changed"], "new scale": f"2^{math.log2(r['new_scale']):g}",
              "loss": round(r["loss"], 4)} for r in steps]
     return pd.DataFrame(rows).set_index("step")
@@ -390,10 +390,12 @@ def loss_scale_faults(steps: list[dict]) -> list[str]:
     faults = []
     for r in steps:
         if r["params_changed"] == r["overflow"]:
-            faults.append(f"step {r['step']}: overflow {r['overflow']} but parameters changed {r['params_changed']}")
+            faults.append(f"step {r['scaler_step']}: overflow {r['overflow']} but parameters changed "
+                          f"{r['params_changed']}")
         ok = (r["new_scale"] == r["scale"] / 2 if r["overflow"] else r["new_scale"] in (r["scale"], 2 * r["scale"]))
         if not ok:
-            faults.append(f"step {r['step']}: scale {r['scale']} -> {r['new_scale']} after overflow {r['overflow']}")
+            faults.append(f"step {r['scaler_step']}: scale {r['scale']} -> {r['new_scale']} after overflow "
+                          f"{r['overflow']}")
     return faults
 
 

@@ -11,7 +11,8 @@ Collected into the run directory (rank side: `start`, run by runtime.setup; laun
 A rank dumps when the launcher asks (a request file it polls for, so a rank blocked inside a collective answers:
 the collective's wait releases the GIL) and when an exception ends it (runtime's excepthook).
 
-`diagnose(run_dir)` reads the dumps of the default process group and names the fault:
+`diagnose(run_dir)` reads the dumps of every process group (the default one, and subgroups: a DeviceMesh
+dimension's TP or DP groups, whose global ranks each rank files in its dump) and names the fault and its group:
     missing     a rank never entered the collective the others wait in (it waits in another one, or it left)
     straggler   the same, but the rank is busy in its own code, not in any collective
     crash       a rank died (a signal, an exit) without entering it, or in the middle of it
@@ -21,8 +22,10 @@ the collective's wait releases the GIL) and when an exception ends it (runtime's
                 collective can complete on gloo; the rank then ends and takes its dump with it, and the fault
                 reads as missing (the evidence says both readings)
     rendezvous  no rank got as far as a process group (a wrong address, port or world size)
-and "unknown" when the dumps show none of these (every rank in the same collective, or no dump at all). Only the
-default process group is read: a hang inside a subgroup (FSDP's, TP's) is not diagnosed yet.
+and "unknown" when the dumps show none of these (every rank in the same collective, or no dump at all). In a
+subgroup the hang spreads: a rank stuck in its TP group's collective leaves its DP peers waiting in theirs. Each
+rank waits in the last collective it called until every rank of that group has called it; the culprits are the
+ranks that hold others up and wait on no one, named with the first collective (in program order) held up by them.
 """
 from __future__ import annotations
 

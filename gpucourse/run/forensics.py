@@ -372,8 +372,7 @@ def _mismatch(seqs: dict, before) -> Diagnosis | None:
     family = {g: [h for h in groups if h.desc == g.desc and g.desc != "undefined"] or [g] for g in groups}
     found = []
     for group in groups:
-        tops = [max(seqs[r][group]) for r in group.ranks if group in seqs.get(r, {})]
-        for seq in range(1, max(tops, default=0) + 1):
+        for seq in sorted({seq for r in group.ranks for seq in seqs.get(r, {}).get(group, {})}):
             at = {r: seqs[r][group][seq] for r in group.ranks if seq in seqs.get(r, {}).get(group, {})}
             hit = next(((kind, sig) for kind, sig in (("order", _op), ("shape", _sizes))
                         if len({sig(e) for e in at.values()}) > 1), None)

@@ -117,6 +117,8 @@ def _named_groups(data: bytes) -> bytes:
             ranks = sorted(c10d._world.pg_group_ranks.get(group, {}))
             config[name] = {**config.get(name, {}), "name": name, "ranks": str(ranks),
                             "desc": getattr(group, "group_desc", None) or names.get(name, "undefined")}
+        if "0" in config and config.get("", {}).get("ranks", "[]") == "[]":
+            config.pop("", None)  # torch's nameless stand-in for the default group, filed above as '0'
     return pickle.dumps(trace)
 
 

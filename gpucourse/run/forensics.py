@@ -11,7 +11,8 @@ Collected into the run directory (rank side: `start`, run by runtime.setup; laun
 A rank dumps when the launcher asks (a request file it polls for, so a rank blocked inside a collective answers:
 the collective's wait releases the GIL) and when an exception ends it (runtime's excepthook).
 
-`diagnose(run_dir)` reads the dumps of the default process group and names the fault:
+`diagnose(run_dir)` reads the dumps of every process group (the default one, and subgroups: a DeviceMesh
+dimension's TP or DP groups, whose global ranks each rank files in its dump) and names the fault and its group:
     missing     a rank never entered the collective the others wait in (it waits in another one, or it left)
     straggler   the same, but the rank is busy in its own code, not in any collective
     crash       a rank died (a signal, an exit) without entering it, or in the middle of it
@@ -21,8 +22,10 @@ the collective's wait releases the GIL) and when an exception ends it (runtime's
                 collective can complete on gloo; the rank then ends and takes its dump with it, and the fault
                 reads as missing (the evidence says both readings)
     rendezvous  no rank got as far as a process group (a wrong address, port or world size)
-and "unknown" when the dumps show none of these (every rank in the same collective, or no dump at all). Only the
-default process group is read: a hang inside a subgroup (FSDP's, TP's) is not diagnosed yet.
+and "unknown" when the dumps show none of these (every rank in the same collective, or no dump at all). In a
+subgroup the hang spreads: a rank stuck in its TP group's collective leaves its DP peers waiting in theirs. Each
+rank waits in the last collective it called until every rank of that group has called it; the culprits are the
+ranks that hold others up and wait on no one, named with the first collective (in program order) held up by them.
 """
 from __future__ import annotations
 
@@ -98,13 +101,24 @@ def dump(run_dir: Path, rank: int, why: str) -> bool:
 
 
 def _named_groups(data: bytes) -> bytes:
-    """gloo's dump (torch 2.13) files the default group's config under the name '' while its entries name the
-    group '0': torch's analyser then fails (KeyError). Named as the entries name it, both readers agree."""
+    """Every process group this rank belongs to, filed in the dump's pg_config under the name its entries use,
+    with its description and global ranks. gloo's dump (torch 2.13) files only the default group, under the name
+    '' with no ranks, while its entries name it '0' (torch's analyser then fails: KeyError) and name subgroups
+    ('2', 'mesh_tp') whose members no dump says. Read from torch's own registry of groups in this process."""
     trace = pickle.loads(data)
-    config, names = trace.get("pg_config", {}), {e["process_group"][0]: e["process_group"][1]
-                                                 for e in trace.get("entries", [])}
+    config, names = trace.setdefault("pg_config", {}), {e["process_group"][0]: e["process_group"][1]
+                                                        for e in trace.get("entries", [])}
     if "" in config and "0" in names and "0" not in config:
         config["0"] = {**config.pop(""), "name": "0", "desc": names["0"]}
+    with contextlib.suppress(Exception):  # a rank that has no process group (any more) keeps torch's config
+        from torch.distributed import distributed_c10d as c10d
+
+        for group, name in dict(c10d._world.pg_names).items():
+            ranks = sorted(c10d._world.pg_group_ranks.get(group, {}))
+            config[name] = {**config.get(name, {}), "name": name, "ranks": str(ranks),
+                            "desc": getattr(group, "group_desc", None) or names.get(name, "undefined")}
+        if "0" in config and config.get("", {}).get("ranks", "[]") == "[]":
+            config.pop("", None)  # torch's nameless stand-in for the default group, filed above as '0'
     return pickle.dumps(trace)
 
 
@@ -163,21 +177,33 @@ def _dumped_since(run_dir: Path, rank: int, when: float) -> bool:
 # --- reading the dumps --------------------------------------------------------------------------------------------
 @dataclass
 class Diagnosis:
-    """Whom the dumps blame: `ranks` (global), the collective's `op` and sequence number `seq_id` in the default
-    process group, the fault's `kind` (KINDS), and the `evidence`, one line per rank."""
+    """Whom the dumps blame: `ranks` (global), the collective's `op` and sequence number `seq_id` in its process
+    group, the fault's `kind` (KINDS), and the `evidence`, one line per rank. The group: `group`, its description
+    ("default_pg", or "mesh_tp" for a DeviceMesh dimension's group), `group_ranks`, its members' global ranks, and
+    `mesh_dim`, the mesh dimension's name where the group is one ("tp"), else None."""
 
     ranks: list[int]
     op: str | None
     seq_id: int | None
     kind: str
     evidence: list[str] = field(default_factory=list)
+    group: str | None = None
+    group_ranks: list[int] = field(default_factory=list)
+    mesh_dim: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def where(self) -> str:
+        """'mesh_tp [0, 1] (mesh dimension tp)': the process group, '' when none is known."""
+        if self.group is None:
+            return ""
+        return f"{self.group} {self.group_ranks}" + (f" (mesh dimension {self.mesh_dim})" if self.mesh_dim else "")
+
     def __str__(self) -> str:
         who = ", ".join(map(str, self.ranks)) or "none"
         what = f"{self.op} #{self.seq_id}" if self.op else "no collective"
+        what += f" in {self.where()}" if self.group is not None and self.op else ""
         return f"{self.kind}: rank(s) {who} ({what})\n" + "\n".join(f"  {line}" for line in self.evidence)
 
 
@@ -200,14 +226,64 @@ def read_dumps(run_dir: Path, world: int) -> dict[int, dict | None]:
     return {rank: dumps.get(rank) for rank in range(world)}
 
 
-def _collectives(dump: dict) -> dict[int, dict]:
-    """{sequence id: entry} of the default process group's collectives (point-to-point left out)."""
-    out = {}
+DEFAULT_PG = "default_pg"
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A process group as the dumps name it: torch's name for it, its description and its members (global)."""
+
+    name: str
+    desc: str
+    ranks: tuple[int, ...]
+
+    @property
+    def mesh_dim(self) -> str | None:
+        return self.desc[len("mesh_"):] if self.desc.startswith("mesh_") else None  # DeviceMesh's group_desc
+
+    def __str__(self) -> str:
+        return f"{self.desc} {list(self.ranks)}"
+
+
+def _groups_of(dump: dict, rank: int, world: int, seen: dict[str, set]) -> dict[str, _Group]:
+    """{name: _Group} of the groups a rank's dump names: members from its pg_config (the in-rank capture,
+    `_named_groups`, files every group's global ranks), else every rank for the default group and, for another,
+    the ranks whose dumps name it (`seen`: all a reader can tell from a dump torch wrote alone)."""
+    import ast
+
+    config, out = dump.get("pg_config", {}), {}
     for entry in dump.get("entries", []):
-        if entry.get("is_p2p") or entry.get("process_group", ("", ""))[1] != "default_pg":
+        name, desc = entry.get("process_group", ("", ""))
+        if name in out:
             continue
-        out[entry["collective_seq_id"]] = entry
+        try:
+            ranks = tuple(sorted(int(r) for r in ast.literal_eval(config.get(name, {}).get("ranks") or "[]")))
+        except (ValueError, SyntaxError, TypeError):
+            ranks = ()
+        if rank not in ranks:
+            ranks = tuple(range(world)) if desc == DEFAULT_PG else tuple(sorted(seen.get(name, {rank})))
+        out[name] = _Group(name, desc, ranks)
     return out
+
+
+def _collectives(dumps: dict[int, dict], world: int) -> tuple[dict, list]:
+    """({rank: {_Group: {sequence id: entry}}}, {rank: [(_Group, sequence id)] in the order the rank called them})
+    of every process group's collectives (point-to-point left out)."""
+    seen: dict[str, set] = {}
+    for rank, dump in dumps.items():
+        for entry in dump.get("entries", []):
+            seen.setdefault(entry.get("process_group", ("", ""))[0], set()).add(rank)
+    seqs, order = {}, {}
+    for rank, dump in dumps.items():
+        groups = _groups_of(dump, rank, world, seen)
+        seqs[rank], order[rank] = {}, []
+        for entry in sorted(dump.get("entries", []), key=lambda e: e.get("record_id", 0)):
+            if entry.get("is_p2p"):
+                continue
+            group = groups[entry.get("process_group", ("", ""))[0]]
+            seqs[rank].setdefault(group, {})[entry["collective_seq_id"]] = entry
+            order[rank].append((group, entry["collective_seq_id"]))
+    return seqs, order
 
 
 def _op(entry: dict) -> str:
@@ -238,7 +314,8 @@ def _majority(signatures: dict[int, str]) -> list[int]:
 
 def diagnose(run_dir: str | Path, world: int | None = None, exits: dict[int, int | None] | None = None) -> Diagnosis:
     """Read a run's dumps (and, where given, each rank's exit code: non-zero or a signal means it died) and name
-    the fault. The world size is read from the run's manifest unless given."""
+    the fault and its process group (the default group, or a subgroup: a DeviceMesh dimension's TP or DP group).
+    The world size is read from the run's manifest unless given."""
     run_dir = Path(run_dir)
     if world is None:
         world = int(json.loads((run_dir / "manifest.json").read_text()).get("world_size", 0))
@@ -251,29 +328,103 @@ def diagnose(run_dir: str | Path, world: int | None = None, exits: dict[int, int
                              ["no rank formed a process group (none reached runtime.setup's record): check the "
                               "master address and port, and that every node starts the same world size"])
         return Diagnosis([], None, None, "unknown", ["no rank left a Flight Recorder dump"])
-    seqs = {r: _collectives(d) for r, d in dumps.items()}
-    last = {r: max(s, default=0) for r, s in seqs.items()}
-    top = max(last.values())
-    # The first sequence number at which the ranks that reached it disagree: op first, then sizes.
-    for seq in range(1, top + 1):
-        at = {r: s[seq] for r, s in seqs.items() if seq in s}
-        if len({_op(e) for e in at.values()}) > 1:
-            ranks = _majority({r: _op(e) for r, e in at.items()})
-            evidence = [f"rank {r}: {_op(e)} #{seq}, sizes {_sizes(e)}" for r, e in sorted(at.items())]
-            return Diagnosis(ranks, _op(at[min(set(at) - set(ranks), default=min(at))]), seq, "order", evidence)
-        if len({_sizes(e) for e in at.values()}) > 1:
-            ranks = _majority({r: _sizes(e) for r, e in at.items()})
-            evidence = [f"rank {r}: {_op(e)} #{seq}, sizes {_sizes(e)}" for r, e in sorted(at.items())]
-            return Diagnosis(ranks, _op(next(iter(at.values()))), seq, "shape", evidence)
-    entered = {r for r in seqs if last[r] == top}
+    seqs, order = _collectives(dumps, world)
+    before = _program_order(order, seqs)
+    found = _mismatch(seqs, before)
+    if found:
+        return found
+    return _blocked(run_dir, world, exits, dumps, stacks, seqs, order, before)
+
+
+def _in(group: _Group) -> dict:
+    return {"group": group.desc, "group_ranks": list(group.ranks), "mesh_dim": group.mesh_dim}
+
+
+def _program_order(order: dict, seqs: dict):
+    """A sort key for (group, sequence id): the order the ranks' program calls them in (every rank runs the same
+    program: a group's collective #k comes before another group's #j on any rank that called both), and where no
+    rank called both, the time the first rank called it."""
+    import functools
+
+    position = {r: {(g.desc, seq): i for i, (g, seq) in enumerate(calls)} for r, calls in order.items()}
+    created = {}
+    for r, by_group in seqs.items():
+        for g, entries in by_group.items():
+            for seq, e in entries.items():
+                t = e.get("time_created_ns") or 0
+                created[(g.desc, seq)] = min(created.get((g.desc, seq), t), t)
+
+    def compare(a, b):
+        a, b = (a[0].desc, a[1]), (b[0].desc, b[1])
+        if a[0] == b[0]:
+            return (a[1] > b[1]) - (a[1] < b[1])
+        for pos in position.values():
+            if a in pos and b in pos:
+                return (pos[a] > pos[b]) - (pos[a] < pos[b])
+        return (created.get(a, 0) > created.get(b, 0)) - (created.get(a, 0) < created.get(b, 0))
+
+    return functools.cmp_to_key(compare)
+
+
+def _mismatch(seqs: dict, before) -> Diagnosis | None:
+    """The first collective (in program order) at which a group's ranks called different operations (order) or
+    sizes (shape): the ranks outside the majority, counted over every group of its kind (a mesh dimension's
+    groups run the same collectives: in a 2-rank TP group, the TP groups of the other ranks break the tie)."""
+    groups = {g for by_group in seqs.values() for g in by_group}
+    family = {g: [h for h in groups if h.desc == g.desc and g.desc != "undefined"] or [g] for g in groups}
+    found = []
+    for group in groups:
+        for seq in sorted({seq for r in group.ranks for seq in seqs.get(r, {}).get(group, {})}):
+            at = {r: seqs[r][group][seq] for r in group.ranks if seq in seqs.get(r, {}).get(group, {})}
+            hit = next(((kind, sig) for kind, sig in (("order", _op), ("shape", _sizes))
+                        if len({sig(e) for e in at.values()}) > 1), None)
+            if hit:
+                found.append((group, seq, at, *hit))
+                break
+    if not found:
+        return None
+    group, seq, at, kind, sig = min(found, key=lambda f: before((f[0], f[1])))
+    peers = {r: sig(seqs[r][h][seq]) for h in family[group] for r in h.ranks if seq in seqs.get(r, {}).get(h, {})}
+    ranks = [r for r in _majority(peers) if r in at] or _majority({r: sig(e) for r, e in at.items()})
+    evidence = [f"rank {r}: {_op(e)} #{seq} in {group}, sizes {_sizes(e)}" for r, e in sorted(at.items())]
+    if len(peers) > len(at):
+        evidence.append(f"the other {group.desc} groups' ranks at #{seq}: " + ", ".join(
+            f"rank {r} {v}" for r, v in sorted(peers.items()) if r not in at))
+    op = _op(at[min(set(at) - set(ranks), default=min(at))]) if kind == "order" else _op(next(iter(at.values())))
+    return Diagnosis(ranks, op, seq, kind, evidence, **_in(group))
+
+
+def _blocked(run_dir, world, exits, dumps, stacks, seqs, order, before) -> Diagnosis:
+    """Who waits on whom: each rank that dumped waits in the last collective it called until every rank of its
+    group has called it; a rank that never did (it left, it waits in another group's collective, it is busy in
+    its own code) blocks it. The culprits are the ranks that block others and wait on no one; the collective
+    named is the first (in program order) that waits on them."""
+    def reached(rank, group, seq):
+        return rank in seqs and max(seqs[rank].get(group, {0: None}), default=0) >= seq
+
+    waits = {}  # rank -> (group, seq, the ranks it waits on)
+    for rank, calls in order.items():
+        if calls:
+            group, seq = calls[-1]
+            blockers = [p for p in group.ranks if not reached(p, group, seq)]
+            if blockers:
+                waits[rank] = (group, seq, blockers)
+    if not waits:
+        default = next((g for by_group in seqs.values() for g in by_group if g.desc == DEFAULT_PG), None)
+        top = max((max(seqs[r][default]) for r in seqs if default in seqs[r]), default=None) if default else None
+        op = _op(seqs[min(r for r in seqs if default in seqs[r])][default][top]) if top else None
+        return Diagnosis([], op, top, "unknown", ["every rank entered the last collective recorded"],
+                         **(_in(default) if default else {}))
+    blocking = {p for _, _, blockers in waits.values() for p in blockers}
+    roots = {p for p in blocking if p not in waits} or blocking  # a cycle: blame all of it
+    group, seq = min(((g, s) for g, s, b in waits.values() if roots & set(b)), key=before)
+    entered = seqs[min(r for r in group.ranks if reached(r, group, seq))][group][seq]
+    op = _op(entered)
+    culprits = sorted(p for p in roots if not reached(p, group, seq) and p in group.ranks)
+    evidence = [f"rank {r}: in {op} #{seq} of {group}" for r in group.ranks if reached(r, group, seq)]
     finished = _ranks_with_event(run_dir, world, EVENT_TEARDOWN)
-    op = _op(seqs[min(entered)][top]) if top else None
-    evidence = [f"rank {r}: in {op} #{top}" for r in sorted(entered)]
-    lagging, kinds = [], set()
-    for rank in range(world):
-        if rank in entered:
-            continue
-        lagging.append(rank)
+    kinds = set()
+    for rank in culprits:
         code = exits.get(rank)
         if rank not in dumps:
             # Died by itself: a non-zero exit before its work was done, other than torchrun's SIGTERM to the
@@ -290,18 +441,21 @@ def diagnose(run_dir: str | Path, world: int | None = None, exits: dict[int, int
                 "and completed" if rank in finished else "; it had ended, or never answered"))
             continue
         in_dist, where = _where(stacks.get(rank))
-        mine = seqs[rank].get(last[rank])
-        doing = f"its last collective {_op(mine)} #{last[rank]}" if mine else "no collective yet"
+        mine = order[rank][-1] if order[rank] else None
+        doing = (f"its last collective {_op(seqs[rank][mine[0]][mine[1]])} #{mine[1]}"
+                 + (f" of {mine[0]}" if mine[0] != group else "") if mine else "no collective yet")
         if in_dist:
             kinds.add("missing")
-            evidence.append(f"rank {rank}: never entered #{top}; {doing}; waiting at {where}")
+            evidence.append(f"rank {rank}: never entered #{seq}; {doing}; waiting at {where}")
         else:
             kinds.add("straggler")
-            evidence.append(f"rank {rank}: never entered #{top}; {doing}; busy in its own code at {where}")
-    if not lagging:
-        return Diagnosis([], op, top, "unknown", evidence + ["every rank entered the last collective recorded"])
+            evidence.append(f"rank {rank}: never entered #{seq}; {doing}; busy in its own code at {where}")
+    for rank, (g, s, blockers) in sorted(waits.items()):
+        if g != group:  # the ranks held up in other groups, and by whom: the chain back to the culprit
+            evidence.append(f"rank {rank}: waits in {_op(seqs[rank][g][s])} #{s} of {g} for rank(s) "
+                            + ", ".join(map(str, blockers)))
     kind = next(k for k in ("shape", "crash", "straggler", "missing") if k in kinds)
-    return Diagnosis(lagging, op, top, kind, evidence)
+    return Diagnosis(culprits, op, seq, kind, evidence, **_in(group))
 
 
 def _last_words(run_dir: Path, rank: int) -> str:

@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("diagnose", help="which rank and which collective a stalled or failed run points to")
     p.add_argument("run_dir", help="the run directory (gpucourse runs lists them)")
-    p.add_argument("--json", action="store_true", help='print {"ranks", "op", "seq_id", "kind", "evidence"}')
+    p.add_argument("--json", action="store_true", help='print {"ranks", "op", "seq_id", "kind", "evidence", "group", "group_ranks", "mesh_dim"}')
     p.set_defaults(func=_diagnose)
 
     p = sub.add_parser("dryrun", help="run a script as rank r of a world of N, with a fake process group",

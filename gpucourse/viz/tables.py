@@ -206,13 +206,15 @@ def attempt_logs(result, ranks: int) -> pd.DataFrame:
 
 def diagnoses(runs: dict) -> pd.DataFrame:
     """One row per broken run: how it ended and what its ranks' Flight Recorder dumps point to (run/forensics.py):
-    the fault's kind, the rank(s) to blame, the collective (op and sequence number). runs: {name: RunResult}."""
+    the fault's kind, the rank(s) to blame, the collective (op and sequence number) and its process group (its
+    description and global ranks, as "mesh_tp [0, 1]"). runs: {name: RunResult}."""
     rows = []
     for name, result in runs.items():
         found = result.diagnosis()
         rows.append({"run": name, "ranks": result.world_size, "ended": result.status,
                      "kind": found.kind if found else None, "blamed rank(s)": found.ranks if found else None,
-                     "collective": f"{found.op} #{found.seq_id}" if found and found.op else None})
+                     "collective": f"{found.op} #{found.seq_id}" if found and found.op else None,
+                     "group": f"{found.group} {found.group_ranks}" if found and found.group else None})
     return pd.DataFrame(rows).set_index("run")
 
 

@@ -120,7 +120,7 @@ class WidgetView:
         # learner scrolls up to read): the newest line is the one in view, not the first.
         self.pane_layout = w.Layout(max_height="260px", overflow="auto", border="1px solid #ddd", display="flex",
                                     flex_flow="column-reverse")
-        self.panes = {"all": w.Output(layout=self.pane_layout)}  # "all", then each rank that printed, by rank
+        self.panes = {"all": self._pane()}  # "all", then each rank that printed, by rank
         self.buffers = {"all": collections.deque(maxlen=self.MAX_LINES * 2)}
         self.dirty: set = set()
         self.tabs = w.Tab(children=[self.panes["all"]])
@@ -138,11 +138,16 @@ class WidgetView:
     def _status_html(header: str, state: str, colour: str = "#1565c0") -> str:
         return f"<b style='color:{colour}'>{html.escape(state)}</b> — {html.escape(header)}"
 
+    def _pane(self):
+        pane = self.w.Output(layout=self.pane_layout)
+        pane.add_class(PANE_CLASS)  # OUTPUT_CSS: its output area keeps its height, so the pane scrolls, not it
+        return pane
+
     def _tab_of(self, rank: int) -> None:
         """Add rank's pane, in rank order among the tabs, the first time it prints."""
         if rank in self.panes:
             return
-        self.panes[rank] = self.w.Output(layout=self.pane_layout)
+        self.panes[rank] = self._pane()
         self.buffers[rank] = collections.deque(maxlen=self.MAX_LINES)
         ranks = sorted(r for r in self.panes if r != "all")
         self.tabs.children = [self.panes["all"], *(self.panes[r] for r in ranks)]
@@ -252,8 +257,10 @@ class SilentView:
 # output area is still cut. The rule goes into the page's <head> by a line of JavaScript, so it stays when the
 # cell that imported gpucourse is run again or cleared; where JavaScript outputs do not run, nothing changes.
 OUTPUT_STYLE_ID = "gpucourse-output-style"
+PANE_CLASS = "gpucourse-pane"
 OUTPUT_CSS = (".jp-OutputArea-output pre, .jp-OutputArea-output.jp-RenderedText "
-              "{word-break: normal; overflow-wrap: anywhere}")
+              "{word-break: normal; overflow-wrap: anywhere} "
+              f".{PANE_CLASS} > .jp-OutputArea {{flex-shrink: 0; overflow: visible}}")
 OUTPUT_STYLE_JS = (f"if (!document.getElementById('{OUTPUT_STYLE_ID}')) {{ const s = document.createElement('style'); "
                    f"s.id = '{OUTPUT_STYLE_ID}'; s.textContent = '{OUTPUT_CSS}'; document.head.appendChild(s); }}")
 

@@ -14,9 +14,9 @@ sequences of `seq` tokens and `global_batch` sequences a step. Search the layout
 `gpucourse.models.planner.plan_parallelism`, which models each plan's memory per GPU and its MFU. Every choice
 has a price in the planner: more pipeline stages save memory and cost a bubble (shrunk by an interleaved,
 zero-bubble or DualPipeV schedule, which cost pipeline sends or memory of their own); recomputation saves
-activations and runs the forward again; ZeRO shards the model states over the data-parallel ranks, and
-stages 2 and 3 under a pipeline pay their gradient reduce-scatter (and ZeRO-3 its weight all-gathers) on every
-micro-batch.
+activations and runs the forward again; ZeRO shards the model states over the data-parallel ranks, and with
+several micro-batches a step stages 2 and 3 pay their gradient reduce-scatter (and ZeRO-3 its weight
+all-gathers) on every micro-batch.
 
 Rules
 -----

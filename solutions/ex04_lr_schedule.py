@@ -10,7 +10,9 @@ parallelism on N ranks with the same per-rank batch multiplies the global batch 
 - `warmup_lr(step, *, base_lr, base_batch, global_batch, warmup_steps, total_steps=None)`: the learning rate
   of optimizer step `step` (0 = the first step) under gradual warmup to the scaled rate:
     * during warmup (step < warmup_steps) it rises linearly from base_lr at step 0 towards the scaled rate;
-      at step == warmup_steps it IS the scaled rate (as in Goyal et al.: warm up from η to kη, not from 0);
+      at step == warmup_steps it IS the scaled rate (as in Goyal et al.: warm up from η to kη, not from 0):
+      start + (target - start) * step / warmup_steps, where target is the scaled rate and start its minimum
+      with base_lr;
     * afterwards it stays at the scaled rate when total_steps is None; with total_steps it follows a cosine
       from the scaled rate at step warmup_steps down to 0 at step total_steps:
       scaled * (1 + cos(pi * (step - warmup_steps) / (total_steps - warmup_steps))) / 2.

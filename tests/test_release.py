@@ -90,14 +90,15 @@ def release_cli(release: Path, tmp_path: Path, *args, timeout=120):
 # --- no solutions ------------------------------------------------------------------------------------
 def give_aways(name: str) -> list[str]:
     """Lines of solutions/<name>.py that its exercise replaced with a stub: inside the BEGIN/END SOLUTION
-    fences, not comments, not in the exercise, and long enough (>= 40 characters) not to be a common idiom."""
+    fences, not comments, not stated by the exercise (the line, or the expression it returns or assigns:
+    release.stated), and long enough (>= 40 characters) not to be a common idiom."""
     exercise = (ROOT / "exercises" / f"{name}.py").read_text()
     lines, inside = [], False
     for line in SOLUTIONS[name].read_text().splitlines():
         text = line.strip()
         if text.startswith(exercises.BEGIN) or text.startswith(exercises.END):
             inside = text.startswith(exercises.BEGIN)
-        elif inside and len(text) >= 40 and not text.startswith("#") and text not in exercise:
+        elif inside and len(text) >= 40 and not text.startswith("#") and not release_module.stated(text, exercise):
             lines.append(text)
     return lines
 
@@ -127,9 +128,8 @@ def test_the_release_holds_no_solution(release):
     for name in SOLUTIONS:
         lines = give_aways(name)
         assert len(lines) >= 3, f"{name}: too few distinctive lines to check ({lines})"
-        # A grader states the expected results: ex04's grader restates the formulas of ex04's docstring.
-        found = [(rel, line) for rel, text in texts.items() if rel != f"gpucourse/tools/grading/graders/{name}.py"
-                 for line in lines if line in text]
+        # The graders too, the exercise's own included (ex04's restates the formulas its docstring states).
+        found = [(rel, line) for rel, text in texts.items() for line in lines if line in text]
         assert not found, f"solution code of {name} in the release: {found[:3]}"
     fenced = [rel for rel, text in texts.items() if exercises.BEGIN in text and rel != "gpucourse/tools/exercises.py"]
     assert fenced == [], "files with solution fences"
@@ -214,6 +214,43 @@ def test_a_renamed_copy_of_a_solution_is_refused(tmp_path):
     assert "scripts/99_planted.py:4 `which_to_keep`" in message, message
     assert "solutions/ex11_expert_parallel.py `kept_assignments`" in message, message
     assert not (tmp_path / "out").exists()
+
+
+# The search ex12's grader held before it stored the best MFU per case (issue 43): the exercise's answer, shipped.
+GRADER_SEARCH = """
+
+def best_plan(case):
+    model, gpus, system, seq, global_batch = CASES[case]
+    shape, best = planner.shape_of(model), None
+    for tp in (1, 2, 4, 8):
+        if shape["heads"] % tp or shape["kv_heads"] % tp and tp % shape["kv_heads"]:
+            continue
+        for pp in (1, 2, 4, 8, 16):
+            dp = gpus // (tp * pp)
+            if pp > shape["layers"] or global_batch % dp:
+                continue
+            for micro_batch in divisors(global_batch // dp):
+                if global_batch // (dp * micro_batch) < pp:
+                    continue
+                best = max(best or 0, modelled(case, {"dp": dp, "tp": tp, "pp": pp, "micro_batch": micro_batch})["mfu"])
+    return best
+"""
+
+
+def test_a_grader_holding_its_exercises_answer_is_refused(tmp_path):
+    """An exercise's own grader is searched too: ex12's with its old search planted in it is a leak."""
+    course = course_copy(tmp_path / "course")
+    grader = course / release_module.GRADERS / "ex12_plan_at_scale.py"
+    grader.write_text(grader.read_text() + GRADER_SEARCH)
+    with pytest.raises(release_module.ReleaseError) as refused:
+        release_module.make_release(tmp_path / "out", root=course)
+    message = str(refused.value)
+    assert "nothing written: 4 line(s) of solution code would ship" in message, message
+    assert f"{release_module.GRADERS}/ex12_plan_at_scale.py: " in message, message
+    assert "(solutions/ex12_plan_at_scale.py)" in message, message
+    assert not (tmp_path / "out").exists()
+    leaks, _ = release_module.find_leaks({"a.py": GRADER_SEARCH.encode()}, {"ex04_lr_schedule": SOLUTIONS[FAST]})
+    assert leaks == []  # another exercise's lines: none of them
 
 
 def test_an_unrelated_function_of_the_same_size_is_not_flagged():

@@ -10,8 +10,9 @@ scripts/, data/ and the project files — and nothing of solutions/ or tests/.
   gpucourse/tools/grading/graders/required_names.json (names only, no code).
 - Notebooks whose smoke parameters (metadata `gpucourse.smoke`, for CI) point into ../solutions/ point at
   the exercise instead; the scripts and notebooks fall back on a solution only where one exists.
-- Before anything is written, every file of the release is searched for the distinctive lines of every
-  solution (the code its exercise replaces with a stub), and every function and class of its Python (the code
+- Before anything is written, every file of the release (the graders included, each exercise's own among
+  them) is searched for the distinctive lines of every solution (the code its exercise replaces with a stub,
+  less what the exercise states), and every function and class of its Python (the code
   cells of notebooks included) is compared, as a normalised syntax tree, with the solutions' functions,
   methods and classes that hold such code, so that a copy with other names and docstrings is found too: one
   found, and nothing is written.
@@ -24,6 +25,7 @@ import ast
 import builtins
 import datetime
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -122,10 +124,24 @@ def solution_blocks(source: str) -> list[str]:
     return lines
 
 
+# What a line returns or assigns: `return EXPR`, `name = EXPR`, `a.b, c[0] += EXPR` -> EXPR.
+_RETURNED_OR_ASSIGNED = re.compile(r"^(?:return\s+|[\w.\[\]]+(?:\s*,\s*[\w.\[\]]+)*\s*[-+*/]?=(?!=)\s*)(?P<expr>.+)$")
+
+
+def stated(line: str, exercise: str) -> bool:
+    """Whether the exercise states a solution line: it holds the line, or the expression the line returns or
+    assigns when that is as long as a distinctive line (ex04's docstring gives its warmup ramp,
+    `start + (target - start) * step / warmup_steps`, which its grader's reference returns)."""
+    if line in exercise:
+        return True
+    match = _RETURNED_OR_ASSIGNED.match(line)
+    return bool(match) and len(match["expr"]) >= MIN_LINE_CHARS and match["expr"] in exercise
+
+
 def distinctive_lines(solution: str, exercise: str) -> list[str]:
-    """Lines of a solution's fenced code that would give it away: long, not comments, and not in the exercise."""
+    """Lines of a solution's fenced code that would give it away: long, not comments, not stated by the exercise."""
     return sorted({line for line in solution_blocks(solution)
-                   if len(line) >= MIN_LINE_CHARS and not line.startswith("#") and line not in exercise})
+                   if len(line) >= MIN_LINE_CHARS and not line.startswith("#") and not stated(line, exercise)})
 
 
 def _searchable(rel: str, data: bytes) -> str:
@@ -148,8 +164,9 @@ def _searchable(rel: str, data: bytes) -> str:
 def find_leaks(files: dict[str, bytes], solutions: dict[str, Path]) -> tuple[list[str], int]:
     """(["path: line of solutions/X.py", ...], how many distinctive lines were looked for).
 
-    A grader states what is expected, so an exercise's own grader (GRADERS/<name>.py) is not searched
-    for that exercise's lines: ex04's grader restates the formulas the exercise's docstring gives.
+    Every shipped file is searched, an exercise's own grader (GRADERS/<name>.py) included: a grader may restate
+    what its exercise states (ex04's restates the formulas of its docstring: those lines are not distinctive),
+    never the code the learner is asked to write (ex12's grader once held the whole search).
     """
     texts = {rel: _searchable(rel, data) for rel, data in files.items()}
     leaks, looked_for = [], 0
@@ -157,10 +174,8 @@ def find_leaks(files: dict[str, bytes], solutions: dict[str, Path]) -> tuple[lis
         exercise = texts.get(f"exercises/{name}.py", "")
         lines = distinctive_lines(path.read_text(), exercise)
         looked_for += len(lines)
-        own_grader = f"{GRADERS}/{name}.py"
         for rel, text in texts.items():
-            leaks += [f"{rel}: {line!r} (solutions/{path.name})" for line in lines
-                      if rel != own_grader and line in text]
+            leaks += [f"{rel}: {line!r} (solutions/{path.name})" for line in lines if line in text]
     return leaks, looked_for
 
 

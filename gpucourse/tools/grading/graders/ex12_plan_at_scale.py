@@ -7,11 +7,14 @@ CASES and records the plan it returned, made plain (whole numbers and names; any
 
 The rank judges nothing. The grader process takes each case's inputs from CASES (never from the record) and
 judges the plan with the course's planner (gpucourse.models.planner.plan_parallelism): every rule of the
-exercise is checked here, per case, and the best modelled MFU a plan can reach under those rules is found here
-by trying every layout (`best_plan`), so nothing the submission does can reach the verdict.
+exercise is checked here, per case, so nothing the submission does can reach the verdict. The best modelled MFU
+a plan can reach under those rules is NOT computed here: finding it is the exercise, and graders ship with every
+release. It is stored per case (BEST_MFU); tests/test_ex12_best.py, which stays home, finds it by trying every
+plan the rules allow and fails, with the numbers to paste, when the planner has moved it.
 
 Memory is the planner's model for the big models: a real-tensor dry run of a 70 B model does not fit on this
-machine, and a fake-tensor one takes minutes (benchmarks/dryrun_scale.py), too long for a grading. The one case small enough to run, chapter 09's capstone at world 1,024, is also dry-run for real
+machine, and a fake-tensor one takes minutes (benchmarks/dryrun_scale.py), too long for a grading. The one case
+small enough to run, chapter 09's capstone at world 1,024, is also dry-run for real
 (gpucourse.dryrun, its first and its last rank, about 5 s): the counted peak must fit and every tensor-parallel
 group the run formed must sit inside one node.
 """
@@ -34,8 +37,9 @@ CAPSTONE_DATA = course_root() / "data" / "macbeth.txt"
 # a 4 x d_model GELU MLP, context 64, one token per character of its corpus.
 CAPSTONE = {"layers": 1, "d_model": 64, "ffn": 256, "heads": 4, "kv_heads": 4, "mlp_matrices": 2,
             "vocab": len(set(CAPSTONE_DATA.read_text(encoding="utf-8")))}
-# name: (model, gpus, system, seq, global_batch). 70 B is the issue's example; 405 B needs a deep pipeline (the
-# mutants that drop or starve the pipeline show there); 8 B and 1.3 B fit with few or no model-parallel GPUs.
+# name: (model, gpus, system, seq, global_batch). 70 B is the issue's example; 405 B is fastest with an interleaved
+# pipeline (the mutants that drop, starve or mis-schedule the pipeline show there); 8 B and 1.3 B fit with few or
+# no model-parallel GPUs.
 CASES = {
     "llama3-70b": ("llama3-70b", 1024, "h100-sxm", 8192, 512),
     "llama3-8b": ("llama3-8b", 64, "h100-sxm", 8192, 256),
@@ -43,9 +47,13 @@ CASES = {
     "gpt-1.3b": ("gpt-1.3b", 8, "h100-sxm", 2048, 64),
     "capstone": (CAPSTONE, 1024, "h100-sxm", 64, 512),
 }
-KEYS = ("dp", "tp", "pp", "cp", "micro_batch", "recompute", "zero")  # what a plan may set
+KEYS = ("dp", "tp", "pp", "cp", "micro_batch", "recompute", "zero", "schedule", "virtual_stages")  # a plan may set
 NEEDED = ("dp", "tp", "pp")
-ZERO_STAGES = (0, 1, 2)  # ZeRO-3's all-gathers are not in the planner's step time: it would look free
+ZERO_STAGES = (0, 1, 2, 3)
+# The best modelled MFU over every plan that keeps the rules and fits, per case, for the planner of this commit:
+# numbers, never a search (see the module's docstring). Refresh: `pytest tests/test_ex12_best.py` prints them.
+BEST_MFU = {"llama3-70b": 0.46619, "llama3-8b": 0.5091, "llama3-405b": 0.33411, "gpt-1.3b": 0.51227,
+            "capstone": 3.8634e-06}
 SHARE_OF_BEST = 0.9
 
 
@@ -74,7 +82,7 @@ class Ex12Job(jobkit.GradingJob):
     name, wanted = "ex12", ("plan_training",)
     preload = jobkit.PRELOAD_BASE
     case_limit = 30.0
-    reason = "an endless loop, or a search far too slow (the solution takes under a second a case)"
+    reason = "an endless loop, or a search far too slow (the solution takes a few seconds a case at most)"
 
     def make_guard(self, comm) -> jobkit.Guard:
         guard = jobkit.Guard(comm)
@@ -100,10 +108,6 @@ def job(submission) -> JobRecords:
                        stall_timeout=2 * CASE_LIMIT_S, env={"OMP_NUM_THREADS": "1"})[1]
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def node_size(case: str) -> int:
     return costs.SYSTEMS[CASES[case][2]]["node_size"]
 
@@ -112,32 +116,6 @@ def modelled(case: str, plan: dict) -> dict:
     """plan_parallelism on the case's inputs and the plan's degrees (ValueError when it cannot be laid out)."""
     model, gpus, system, seq, global_batch = CASES[case]
     return planner.plan_parallelism(model, gpus=gpus, system=system, seq=seq, global_batch=global_batch, **plan)
-
-
-@functools.lru_cache(maxsize=None)
-def best_plan(case: str) -> dict:
-    """The highest modelled MFU over every plan that keeps the rules and fits: every tp inside a node that splits
-    the heads, every pp, every micro-batch size that fills the pipeline, every recomputation and ZeRO stage."""
-    model, gpus, system, seq, global_batch = CASES[case]
-    shape, best = planner.shape_of(model), None
-    for tp in divisors(node_size(case)):
-        if shape["heads"] % tp or shape["kv_heads"] % tp and tp % shape["kv_heads"]:
-            continue
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if pp > shape["layers"] or global_batch % dp:
-                continue
-            for micro_batch in divisors(global_batch // dp):
-                if global_batch // (dp * micro_batch) < pp:
-                    continue
-                for recompute in planner.RECOMPUTE:
-                    for zero in ZERO_STAGES:
-                        got = modelled(case, {"dp": dp, "tp": tp, "pp": pp, "micro_batch": micro_batch,
-                                              "recompute": recompute, "zero": zero})
-                        if got["fits"] and (best is None or got["mfu"] > best["mfu"]):
-                            best = got
-    assert best is not None, f"ex12's case {case} has no plan that keeps the rules: fix CASES"
-    return best
 
 
 def layout_problem(case: str, plan: dict) -> str | None:
@@ -160,7 +138,14 @@ def layout_problem(case: str, plan: dict) -> str | None:
         return f"cp={degrees['cp']}: this exercise keeps cp = 1 (sequences of 8K tokens or fewer)"
     zero = plan.get("zero", 1)
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
-        return f"zero={plan.get('zero')!r}: one of {ZERO_STAGES} (ZeRO-3's all-gathers are not in the step time)"
+        return f"zero={plan.get('zero')!r}: one of {ZERO_STAGES}"
+    chunks = plan.get("virtual_stages", 1)
+    if isinstance(chunks, int) and chunks >= 1 and chunks & (chunks - 1):
+        return f"virtual_stages={chunks}: a power of two (the exercise's rule: it keeps the search small)"
+    # One stage has nothing to schedule (and the planner would count its activations a chunk at a time).
+    if degrees["pp"] == 1 and (plan.get("schedule", "1f1b"), plan.get("virtual_stages", 1)) != ("1f1b", 1):
+        return (f"schedule={plan.get('schedule')!r}, virtual_stages={plan.get('virtual_stages')!r} with pp=1: "
+                "one stage has no pipeline to schedule, its schedule is '1f1b'")
     try:
         modelled(case, plan)
     except ValueError as err:
@@ -201,18 +186,17 @@ def pipeline_problem(case, plan, got):
 
 def fits_problem(case, plan, got):
     if not got["fits"]:
-        return (f"modelled peak {got['peak_bytes'] / 1e9:.1f} GB per GPU, over the device's "
-                f"{got['device_bytes'] / 1e9:.0f} GB ({described(plan)})")
+        return (f"modelled {got['reserved_bytes'] / planner.GiB:.1f} GiB reserved per GPU (a peak of "
+                f"{got['peak_bytes'] / planner.GiB:.1f} GiB of tensors, plus headroom), over the device's "
+                f"{got['device_bytes'] / planner.GiB:.0f} GiB ({described(plan)})")
     return None
 
 
 def mfu_problem(case, plan, got):
-    best = best_plan(case)
-    if not got["mfu"] >= SHARE_OF_BEST * best["mfu"]:
-        lay = best["layout"]
-        return (f"modelled MFU {got['mfu']:.3g} is {got['mfu'] / best['mfu']:.0%} of the best {best['mfu']:.3g} "
-                f"(e.g. dp {lay['dp']}, tp {lay['tp']}, pp {lay['pp']}, micro_batch {best['micro_batch']}, "
-                f"recompute {best['recompute']}, zero {best['zero']}); at least {SHARE_OF_BEST:.0%} is needed")
+    best = BEST_MFU[case]
+    if not got["mfu"] >= SHARE_OF_BEST * best:
+        return (f"modelled MFU {got['mfu']:.3g} is {got['mfu'] / best:.0%} of the best {best:.3g} a plan that keeps "
+                f"the rules reaches ({described(plan)}); at least {SHARE_OF_BEST:.0%} is needed")
     return None
 
 
@@ -254,7 +238,8 @@ def dry_run_problem(rec) -> str | None:
 @pytest.mark.points(1)
 @pytest.mark.parametrize("case", CASES)
 def test_layout(job, case):
-    """dp x tp x pp x cp = the GPUs, whole numbers, known keys, cp 1, ZeRO 0-2, accepted by plan_parallelism."""
+    """dp x tp x pp x cp = the GPUs, whole numbers, known keys, cp 1, ZeRO 0-3, virtual stages a power of two,
+    1F1B at pp 1, accepted by plan_parallelism."""
     check(job, [case], lambda rec: layout_problem(case, rec["got"]))
 
 
@@ -275,14 +260,15 @@ def test_pipeline_fills(job, case):
 @pytest.mark.points(2)
 @pytest.mark.parametrize("case", CASES)
 def test_fits_in_memory(job, case):
-    """The planner's modelled peak per GPU (first and last stage) is within the device's 80 GB."""
+    """The planner's modelled memory per GPU (first and last stage, with headroom) is within the device's 80 GiB:
+    plan_parallelism(...)["fits"]."""
     check(job, [case], judged(fits_problem))
 
 
 @pytest.mark.points(2)
 @pytest.mark.parametrize("case", CASES)
 def test_near_the_best_mfu(job, case):
-    """Modelled MFU at least 90 % of the best over every plan that keeps the rules and fits (the grader's search)."""
+    """Modelled MFU at least 90 % of the best over every plan that keeps the rules and fits (BEST_MFU: stored)."""
     check(job, [case], judged(mfu_problem))
 
 

@@ -59,8 +59,12 @@ def test_headroom_keeps_gib_and_gb_apart():
     ({"dp": 128, "tp": 8, "schedule": "interleaved"}, "virtual_stages >= 2"),
     ({"dp": 32, "tp": 8, "pp": 4, "virtual_stages": 2}, "needs schedule='interleaved'"),
     ({"dp": 32, "tp": 8, "pp": 4, "schedule": "gpipe"}, "schedule must be one of"),
+    ({"dp": 128, "tp": 8, "schedule": "dualpipev"}, "needs pp >= 2"),
+    ({"dp": 32, "tp": 8, "pp": 4, "schedule": "interleaved", "virtual_stages": 2, "global_batch": 96},
+     "at least 4 micro-batches"),
+    ({"dp": 32, "tp": 8, "pp": 4, "schedule": "dualpipev", "global_batch": 224}, "at least 8 micro-batches"),
 ], ids=["too-many", "too-few", "ep-dense", "batch", "zero-dp", "interleaved-v1", "v-without-interleaving",
-        "unknown-schedule"])
+        "unknown-schedule", "dualpipev-one-stage", "interleaved-starved", "dualpipev-starved"])
 def test_a_layout_that_cannot_be_laid_out_is_refused_with_a_clear_error(layout, message):
     with pytest.raises(ValueError, match=message):
         planner.plan_parallelism("llama3-70b", gpus=1024, **layout)
@@ -83,11 +87,14 @@ def test_the_steps_terms_add_up_and_the_bubble_follows_the_schedule():
         assert plan["step_s"] == pytest.approx(plan["compute_s"] + plan["bubble_s"] + sum(plan["comm_s"].values()))
     one = plans["1f1b"]
     per_micro_batch = sum(one["terms"][k] for k in ("matmul", "attention", "memory-bound", "tp comm", "cp comm",
-                                                    "ep comm", "head (last stage)")) / one["micro_batches"]
+                                                    "ep comm", "output head")) / one["micro_batches"]
     assert one["bubble_s"] == pytest.approx(7 * per_micro_batch)  # p - 1 micro-batch times
     assert plans["interleaved"]["bubble_s"] == pytest.approx(one["bubble_s"] / 2)
     assert plans["zero-bubble"]["bubble_s"] == pytest.approx(one["bubble_s"] / 3)
     assert plans["dualpipev"]["bubble_s"] < one["bubble_s"]
+    # DualPipeV's V puts the first and the last chunk on rank 0: the embedding and the head (and logits) both
+    v_first, v_last = plans["dualpipev"]["stages"]
+    assert v_first["params"] > one["stages"][0]["params"] and v_last["params"] < one["stages"][1]["params"]
     # interleaving keeps more in flight on the first stage, and sends v times as often
     assert plans["interleaved"]["stages"][0]["memory"]["activations"] > one["stages"][0]["memory"]["activations"]
     assert plans["interleaved"]["comm_s"]["pp"] == pytest.approx(2 * one["comm_s"]["pp"])

@@ -217,6 +217,9 @@ def _check(s, gpus, dp, tp, pp, cp, ep, seq, micro_batch, zero, recompute, syste
     if schedule == "interleaved" and virtual_stages < 2:
         raise ValueError("schedule='interleaved' needs virtual_stages >= 2 (chunks of layers per rank); with one "
                          "chunk per rank it is 1F1B")
+    if schedule in ("interleaved", "dualpipev") and pp < 2:
+        raise ValueError(f"schedule={schedule!r} splits each rank's layers into chunks of a pipeline: it needs "
+                         "pp >= 2 (with pp = 1 use '1f1b')")
     if schedule != "interleaved" and virtual_stages != 1:
         raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved' (DualPipeV always has 2)")
     if pp * chunks > s["layers"]:
@@ -241,10 +244,11 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
 
     global_batch: sequences per step (default: one micro-batch per pipeline stage and replica, dp x pp x
     micro_batch). zero: the ZeRO stage over the ranks holding the same parameters (0-3; 1 is Megatron-LM's
-    distributed optimizer). Under a pipeline, stages 2 and 3 cannot keep a whole gradient between micro-batches:
-    they reduce-scatter every micro-batch (and stage 3 all-gathers the weights every micro-batch), which the step
-    time charges (DeepSpeed refuses them with pipeline parallelism). schedule: "1f1b", "interleaved" (with
-    virtual_stages >= 2 chunks per rank), "zero-bubble" (ZB-H1) or "dualpipev". sequence_parallel: default on when
+    distributed optimizer). With several micro-batches a step (a pipeline's, or gradient accumulation's), stages 2
+    and 3 keep no whole gradient between them: they reduce-scatter every micro-batch (and stage 3 all-gathers the
+    weights every micro-batch), which the step time charges (DeepSpeed refuses them with pipeline parallelism). schedule: "1f1b", "interleaved" (with
+    virtual_stages >= 2 chunks per rank and at least pp micro-batches), "zero-bubble" (ZB-H1) or "dualpipev" (at
+    least 2 pp micro-batches; rank 0 holds the first and the last chunk, so the embedding and the head). sequence_parallel: default on when
     tp > 1. attention: "flash" (no scores kept) or "unfused" (Megatron-LM 2021). device_bytes: the device's memory
     (80 GiB for an "80 GB" A100 or H100).
 
@@ -263,6 +267,10 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
         raise ValueError(f"global_batch={global_batch} must split into micro-batches of {micro_batch} over "
                          f"dp={dp} replicas (a multiple of {dp * micro_batch})")
     m = global_batch // (dp * micro_batch)
+    least = {"interleaved": pp, "dualpipev": 2 * pp}.get(schedule, 1)
+    if m < least:
+        raise ValueError(f"schedule={schedule!r} needs at least {least} micro-batches a step for pp={pp}, got {m} "
+                         f"(global_batch / (dp x micro_batch)): a larger global batch or a smaller micro-batch")
     chunks = {"interleaved": virtual_stages, "dualpipev": 2}.get(schedule, 1)
     spec = costs.SYSTEMS[system]
     device = spec["device"]
@@ -280,10 +288,12 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
         warnings.append(f"tp={tp} spans nodes of {node}: its collectives, on every layer, ride the slower link")
     if pp > 1 and m < pp:
         warnings.append(f"{m} micro-batch(es) for {pp} stages: the pipeline never fills")
-    if pp > 1 and zero >= 2 and m > 1:
-        warnings.append(f"ZeRO-{zero} under a pipeline reduce-scatters the gradients every micro-batch ({m} a step)"
+    if zero >= 2 and m > 1:
+        warnings.append(f"ZeRO-{zero} with {m} micro-batches a step reduce-scatters the gradients every micro-batch "
+                        "(no whole gradient is kept between them)"
                         + (" and all-gathers the weights every micro-batch" if zero == 3 else "")
-                        + ": DeepSpeed refuses it, Megatron-LM pairs pipelines with ZeRO-1")
+                        + (": DeepSpeed refuses it under a pipeline, Megatron-LM pairs pipelines with ZeRO-1"
+                           if pp > 1 else ""))
 
     # --- memory, first and last stage
     per_stage = [L // pp + (1 if i < L % pp else 0) for i in range(pp)]
@@ -294,10 +304,11 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
         per_layer_act += (s["top_k"] - 1) * mlp_share * tokens * (recompute != "full")
     groups = sum(n > 1 for n in (tp, cp, pp, dp, ep))
     stages = []
+    head_rank = 0 if schedule == "dualpipev" else pp - 1  # DualPipeV's V: rank 0 holds the first and last chunk
     for name, index in (("first", 0), ("last", pp - 1)):
         layers = per_stage[index]
         dense = layers * p["layer_dense"] / tp + (p["embedding"] / tp if index == 0 else 0) + (
-            p["head"] / tp if index == pp - 1 else 0)
+            p["head"] / tp if index == head_rank else 0)
         expert = layers * p["layer_experts"] / (tp * ep)
         states = {}
         for part, nbytes in (("params", BYTES["param"]), ("grads", grad_bytes), ("optimizer", BYTES["optimizer"])):
@@ -311,7 +322,7 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
                  "dualpipev": "DualPipeV"}[schedule]
         in_flight = costs.pipeline_peak_activations(pp, m, chunks, index, sched) if pp > 1 else 1
         activations = in_flight * layers / chunks * per_layer_act
-        if index == pp - 1:
+        if index == head_rank:
             activations += 4 * tokens * s["vocab"] / tp  # fp32 logits for the loss
         memory = {**states, "activations": activations}
         stages.append({"stage": name, "layers": layers, "params": dense + expert, "memory": memory,
@@ -346,7 +357,7 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
 
     def stage_parts(index):
         parts = {name: v * per_stage[index] for name, v in per_layer.items()}
-        parts["head (last stage)"] = head if index == pp - 1 else 0.0
+        parts["output head"] = head if index == head_rank else 0.0
         return parts
 
     slowest = max(range(pp), key=lambda i: sum(stage_parts(i).values()))

@@ -183,7 +183,12 @@ def test_every_module_has_a_layer_and_imports_only_downwards(package):
 
 def short_alias_imports(sources: dict[str, str]) -> list[str]:
     """'path line N: from gpucourse import costs' for every package module that imports a layer module by the
-    public short name (gpucourse/__init__.py's lazy aliases): such an import hides its layer from the checks above."""
+    public short name (gpucourse/__init__.py's lazy aliases, `gpucourse.costs` too): such an import hides its layer
+    from the checks above."""
+    def short(name: str | None) -> bool:  # gpucourse.costs, gpucourse.grading.runner: not under a layer folder
+        parts = (name or "").split(".")
+        return parts[0] == PACKAGE and len(parts) > 1 and parts[1] not in LAYERS
+
     bad = []
     for path, source in sources.items():
         if path == f"{PACKAGE}/__init__.py":
@@ -191,11 +196,18 @@ def short_alias_imports(sources: dict[str, str]) -> list[str]:
         for node in ast.walk(ast.parse(source, path)):
             if isinstance(node, ast.ImportFrom) and node.module == PACKAGE and not node.level:
                 bad += [f"{path} line {node.lineno}: from {PACKAGE} import {a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and short(node.module) and not node.level:
+                bad.append(f"{path} line {node.lineno}: from {node.module} import ...")
+            elif isinstance(node, ast.Import):
+                bad += [f"{path} line {node.lineno}: import {a.name}" for a in node.names if short(a.name)]
     return bad
 
 
 def test_the_package_imports_its_modules_by_their_layer_path():
     assert short_alias_imports({"gpucourse/run/x.py": "from gpucourse import costs\n"}) == [
         "gpucourse/run/x.py line 1: from gpucourse import costs"]  # the check can fail
+    assert short_alias_imports({"gpucourse/run/x.py": "import gpucourse.costs\nfrom gpucourse.plots import f\n"
+                                                      "import gpucourse.models.costs\n"}) == [
+        "gpucourse/run/x.py line 1: import gpucourse.costs", "gpucourse/run/x.py line 2: from gpucourse.plots import ..."]
     bad = short_alias_imports(read_package())
     assert not bad, "inside the package, import a module by its layer path (gpucourse.models.costs):\n" + "\n".join(bad)

@@ -1,7 +1,8 @@
-"""A new exercise is five files (README, "Where to change what"): its solution, its grader, its mutants, the chapter's
-notebook and the README. Nothing else lists exercises: they are found by their files.
+"""A new exercise is five files (docs/architecture.md, "Where to change what"): its solution, its grader, its mutants,
+the chapter's notebook and the chapter's rows in the README and docs/chapters.md. Nothing else lists exercises: they
+are found by their files.
 
-Shown here by adding one, ex99, to a copy of the course with nothing but the first three (the notebook and the README
+Shown here by adding one, ex99, to a copy of the course with nothing but the first three (the notebook and the docs
 are prose) and grading it as CI grades every exercise: in one batch, the solution gets full marks, the generated
 exercise zero, and each mutant loses exactly the tests its `must fail:` names.
 """

@@ -137,7 +137,7 @@ def test_the_release_holds_no_solution(release):
 
 def test_the_release_ships_the_course_and_says_what_it_left_out(release):
     for entry in ("gpucourse/tools/cli.py", "gpucourse/tools/release.py", "gpucourse/tools/grading/plugin.py",
-                  "gpucourse/tools/grading/jobkit.py", "README.md", "pyproject.toml", "Makefile", "environment.yml", "data/macbeth.txt",
+                  "gpucourse/tools/grading/jobkit.py", "README.md", "docs/setup.md", "docs/grading.md", "pyproject.toml", "Makefile", "environment.yml", "data/macbeth.txt",
                   f"exercises/{FAST}.py", f"gpucourse/tools/grading/graders/{FAST}.py", "notebooks/04_large_batch.ipynb",
                   "scripts/04_large_batch.py", "gpucourse/tools/grading/graders/_ex09_model.py"):  # ex09's grader trains its own model
         assert (release / entry).is_file(), entry

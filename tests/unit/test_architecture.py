@@ -148,7 +148,7 @@ def test_no_module_uses_another_modules_private_names(package):
 
 
 # The package's four layers, lowest first, one folder each (gpucourse/<layer>/); a module may import its own
-# layer's modules and lower ones only. What each owns: gpucourse/__init__.py and the README's "Architecture".
+# layer's modules and lower ones only. What each owns: gpucourse/__init__.py and docs/architecture.md.
 LAYERS = ("run", "models", "viz", "tools")
 
 
@@ -175,7 +175,7 @@ def test_the_layer_check_catches_an_upward_import():
 
 def test_every_module_has_a_layer_and_imports_only_downwards(package):
     unplaced = sorted(m for m in package if m != PACKAGE and layer_of(m) is None)
-    assert not unplaced, f"put each module in one of LAYERS (README, 'Architecture'): {unplaced}"
+    assert not unplaced, f"put each module in one of LAYERS (docs/architecture.md, 'Layers'): {unplaced}"
     upward = upward_imports(package)
     assert not upward, ("imports from a higher layer (move the shared thing down, or the importer up):\n"
                         + "\n".join(upward))

@@ -40,7 +40,31 @@ def test_torch_is_a_tested_range_and_ci_pins_the_highest():
     assert "untested" in torch_note("2.10.0") and "untested" in torch_note("2.14.0")
 
 
-def test_readme_documents_the_two_commands_ci_runs():
+def test_readme_documents_the_commands_ci_runs():
     readme = (ROOT / "README.md").read_text()
-    assert "make lab" in readme and "make test" in readme
+    assert "make lab" in readme and "make test" in readme and "make check" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+    assert "\ncheck:" in (ROOT / "Makefile").read_text()
+
+
+def declared_names(project: dict) -> set[str]:
+    """Every package pyproject.toml declares, by name (no versions, no extras), the package itself left out."""
+    deps = [*project["project"]["dependencies"], *sum(project["project"]["optional-dependencies"].values(), [])]
+    return {re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower() for d in deps} - {project["project"]["name"]}
+
+
+def explained_names(readme: str) -> set[str]:
+    """The packages in the first column of the README's "Dependencies, and why each is here" table."""
+    table = readme.split("## Dependencies, and why each is here")[1].split("\n## ")[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    names = [name for row in rows for name in re.findall(r"`([^`]+)`", row) if name not in ("lab", "test", "dev")]
+    return {re.match(r"[A-Za-z0-9_.-]+", name).group(0).lower() for name in names}
+
+
+def test_the_readme_says_why_each_dependency_is_here():
+    """The guide asks for it: one row per dependency pyproject.toml declares, and none that it does not."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    declared, explained = declared_names(project), explained_names((ROOT / "README.md").read_text())
+    assert declared == explained, (f"not explained: {sorted(declared - explained)}; "
+                                   f"not declared: {sorted(explained - declared)}")
+    assert "gpucourse" not in declared and "torch" in declared and "nbstripout" in declared  # the parsing can fail

@@ -1,13 +1,14 @@
 # The course's commands. Each works on a fresh clone with nothing but Python 3.11+ and make.
 #   make lab     open the course in JupyterLab      make test    run the whole test suite
-#   make course  execute every notebook (papermill)  make bench   the benchmarks
+#   make check   the fast loop (tests/unit, < 90 s)  make bench   the benchmarks
+#   make course  execute every notebook (papermill)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.gpucourse-installed
 PYTEST_ARGS ?=
 
-.PHONY: install lab kernel test browser-pass course bench exercises clean
+.PHONY: install lab kernel test check browser-pass course bench exercises clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gpucourse needs Python 3.11 or newer; set PYTHON=python3.11")'
@@ -51,10 +52,16 @@ lab: kernel $(LAB_OVERRIDES) $(SERVER_CONFIG)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -rfEs $(PYTEST_ARGS)
 
-# Every chapter run to the end in JupyterLab in headless Chromium, checked as drawn (tests/test_browser_chapters.py);
-# screenshots in $$GPUCOURSE_BROWSER_SHOTS or runs/browser-shots. Too long for `make test`: 35-50 min on a loaded 2-core machine.
+# The fast loop, before every commit: the in-process tests (tests/unit/: the package's layers, the import rules, the
+# notebooks read without running them). No job, notebook or browser is started; under 90 s on a 2-core machine.
+check: $(STAMP)
+	$(BIN)/python -m pytest -q -rfEs -p no:cacheprovider tests/unit $(PYTEST_ARGS)
+
+# Every chapter run to the end in JupyterLab in headless Chromium, checked as drawn
+# (tests/integration/test_browser_chapters.py); screenshots in $$GPUCOURSE_BROWSER_SHOTS or runs/browser-shots. Too long for `make test`: 35-50 min on a loaded 2-core machine.
 browser-pass: $(STAMP)
-	$(BIN)/python -m pytest -m browser_pass -q -rA -p no:cacheprovider tests/test_browser_chapters.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m browser_pass -q -rA -p no:cacheprovider \
+		tests/integration/test_browser_chapters.py $(PYTEST_ARGS)
 
 course: kernel
 	$(BIN)/gpucourse course $(COURSE_ARGS)

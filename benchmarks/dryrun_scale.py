@@ -1,4 +1,4 @@
-"""`gpucourse dryrun` at scale: wall time and the ranks' peak memory (RSS) against issue #26's goals. Not a test.
+"""`gpucourse dryrun` at scale: wall time and the ranks' peak memory (RSS) against its goals (below). Not a test.
 
     python benchmarks/dryrun_scale.py [--only capstone|7b] [--steps 2] [--timeout 1800]
 

@@ -5,7 +5,7 @@
 Each script runs at small sizes through `gpucourse.launch`, exactly as a notebook launches it, `--repeats`
 times at each world size. Failures are grouped by their root cause (rank numbers folded, so the same abort
 on rank 1 and rank 3 counts as one cause). Goal: 0 failures. This is a benchmark, not a test: it takes
-tens of minutes on 2 cores, and its result is recorded in the README.
+tens of minutes on 2 cores, and its result is recorded in benchmarks/README.md.
 """
 import argparse
 import collections

@@ -10,9 +10,13 @@ Four layers, each a folder; a module imports from its own layer and the ones lis
 Importing the package is cheap (no torch): names are loaded on first use, so `import gpucourse`
 in a shell or a notebook costs milliseconds and `gpucourse.runtime` pulls torch only inside a rank.
 The names below are the course's public surface: `gpucourse.launch(...)`, `gpucourse.launch_all([...])`,
-`from gpucourse import runtime, costs`.
+`from gpucourse import runtime, costs`; `import gpucourse.costs` and `from gpucourse.costs import busbw` give the
+same module objects (gpucourse.models.costs: its layer path stays its name). Inside the package every import names
+the layer (tests/unit/test_architecture.py).
 """
+import sys
 from importlib import import_module
+from importlib.machinery import ModuleSpec
 
 __version__ = "0.1.0"
 
@@ -40,6 +44,29 @@ _MODULES = {
 }
 
 
+class _ShortPaths:
+    """A finder for `import gpucourse.<short>[.sub]`: the module at its layer path (_MODULES), not a second copy.
+
+    The import system sets the alias's spec on the module it is given; exec_module puts the module's own back."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        parts = fullname.split(".")
+        if parts[0] == __name__ and len(parts) > 1 and parts[1] in _MODULES:
+            return ModuleSpec(fullname, _ShortPaths, loader_state=".".join([_MODULES[parts[1]], *parts[2:]]))
+        return None
+
+    @staticmethod
+    def create_module(spec):
+        module = import_module(spec.loader_state)
+        spec.own_spec = module.__spec__
+        return module
+
+    @staticmethod
+    def exec_module(module):
+        module.__spec__ = module.__spec__.own_spec
+
+
 def __getattr__(name):
     if name in _NAMES:
         return getattr(import_module(_NAMES[name]), name)
@@ -49,6 +76,8 @@ def __getattr__(name):
 
 
 __all__ = sorted([*_NAMES, *_MODULES])
+if not any(getattr(finder, "__name__", None) == "_ShortPaths" for finder in sys.meta_path):
+    sys.meta_path.insert(0, _ShortPaths)  # before the path finder, which would load gpucourse.grading.x twice
 
-if "IPython" in __import__("sys").modules:  # in a notebook: words in printed output wrap whole (run/live.py)
+if "IPython" in sys.modules:  # in a notebook: words in printed output wrap whole (run/live.py)
     import_module("gpucourse.run.live").style_notebook_outputs()

@@ -25,7 +25,7 @@ dist.* call that returns early) is placed by its `group` argument (None: the def
 What it does not do, and why: the wrappers keep the originals in their closures, so code inside the same process
 that digs through closures, `gc` or `torch.ops.c10d.*` / `torch.ops._c10d_functional.*` (the dispatcher ops
 beneath the Python layers) can still reach gloo unrecorded. That is a deliberate attack, not a plausible
-shortcut; the README's "Threat model of the graders" says so. What the wrappers avoid is the easy handles:
+shortcut; docs/grading.md's "Threat model of the graders" says so. What the wrappers avoid is the easy handles:
 no `__wrapped__` (no functools.wraps), no module-level table of originals, no module-level recorder object.
 """
 import contextlib

@@ -13,10 +13,10 @@ where every collective returns at once and moves nothing, and counts (`StepCount
 By default tensors stay real, at the sizes the script asks for. With `--fake-tensors` (fake_tensors=True) every
 tensor the rank makes from runtime.setup() on is a FakeTensor (torch's FakeTensorMode: shape, dtype, device, no
 storage), the model's parameters included, so a model larger than this machine (a 7 B model's fp32 training states
-are 103 GB) is dry-run in a few hundred MB. The counts are the same as with real tensors (tests/test_dryrun.py:
-comms, FLOPs, model states and the params/grads/optimizer parts equal; the activations part, and so the peak, can
-differ where an op's real CPU kernel makes a tensor its fake implementation does not: 8-16 B in the scripts tested,
-not traced to the op; F.mse_loss's 124 B of 672 on a 4 x 8 batch). What makes it work (prepare_fake_tensors): device
+are 103 GB) is dry-run in a few hundred MB. The counts are the same as with real tensors
+(tests/integration/test_dryrun.py: comms, FLOPs, model states and the params/grads/optimizer parts equal; the
+activations part, and so the peak, can differ where an op's real CPU kernel makes a tensor its fake implementation
+does not: 8-16 B in the scripts tested, not traced to the op; F.mse_loss's 124 B of 672 on a 4 x 8 batch). What makes it work (prepare_fake_tensors): device
 meshes are built outside the mode (their rank tables are read on the host: inside the mode `nonzero`/`.tolist()`
 raise); parallelize_module and fully_shard run inside it, on the fake parameters. What a script must not do under
 it: read a value (.item(), .tolist(), print(tensor), `if tensor:`): the rank stops with one line naming the script's

@@ -52,7 +52,7 @@ def stamp_notebook(nb: dict, name: str, source: str) -> bool:
     True if the notebook (a dict, nbformat's JSON) changed. Stamping twice is stamping once."""
     before = json.dumps(nb)
     cell = next((c for c in nb["cells"] if c.get("id") == CELL_ID), None)
-    if cell is None:  # not a chapter (every chapter has one: tests/test_colab.py)
+    if cell is None:  # not a chapter (every chapter has one: tests/integration/test_colab.py)
         return False
     text = SOURCE_LINE.sub(f'COURSE_SOURCE = os.environ.get("GPUCOURSE_SOURCE", "{source}")', "".join(cell["source"]))
     cell["source"] = text.splitlines(keepends=True)

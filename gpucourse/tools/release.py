@@ -3,7 +3,7 @@
 Why: in the checkout, solutions/ (the single source of the exercises) sits beside exercises/, so learners
 handed the checkout can read the answers, and a submission can load them from disk. A release is what
 learners get instead: the package (the graders, gpucourse/tools/grading/graders/, included), exercises/, notebooks/,
-scripts/, data/ and the project files — and nothing of solutions/ or tests/.
+scripts/, data/, docs/ and the project files — and nothing of solutions/ or tests/.
 
 - Grading works there as in the checkout (`gpucourse grade EX`, `--target`, `--class`). The one thing the
   checkout reads from the solutions, the names a submission must define, ships as
@@ -34,8 +34,11 @@ from .exercises import BEGIN, END, ExerciseError
 
 # What learners get, relative to the checkout. The graders ship inside the package; the mutants (tests/mutants/:
 # mistakes patched into the solutions, which test the graders themselves) stay home with the rest of tests/.
-SHIPPED = ("gpucourse", "exercises", "notebooks", "scripts", "data",
+SHIPPED = ("gpucourse", "exercises", "notebooks", "scripts", "data", "docs",
            "README.md", "pyproject.toml", "Makefile", "environment.yml")
+# Of docs/, only its pages (the README links to them): the GPU reports' raw output, which quotes solution code from
+# the runs it logged, and the GPU run's scripts stay home.
+SHIPPED_ONLY = {"docs": "*.md"}
 SKIPPED_DIRS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache"}
 GRADERS = "gpucourse/tools/grading/graders"
 MANIFEST = "RELEASE.txt"
@@ -63,7 +66,7 @@ def _shipped_files(root: Path) -> dict[str, bytes]:
             continue
         if not path.is_dir():
             raise ReleaseError(f"{path} is missing: a release needs {', '.join(SHIPPED)}")
-        for file in sorted(path.rglob("*")):
+        for file in sorted(path.glob(SHIPPED_ONLY[entry]) if entry in SHIPPED_ONLY else path.rglob("*")):
             rel = file.relative_to(root)
             if (file.is_file() and not file.name.endswith(".pyc")
                     and not any(part in SKIPPED_DIRS or part.startswith(".") for part in rel.parts)):

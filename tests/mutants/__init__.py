@@ -1,4 +1,5 @@
-"""The mutants: tests/mutants/<exercise>.diff holds every mutant of one exercise (tests/test_mutants.py grades them).
+"""The mutants: tests/mutants/<exercise>.diff holds every mutant of one exercise (graded by
+tests/integration/test_mutants.py).
 
 Each mutant is the exercise's solution with one plausible learner's mistake, written as a patch on the solution:
 

@@ -1,5 +1,5 @@
 """A submission of ex01 that misbehaves at every world size: graded in ex01's batch, after the mutants and before
-the solution graded again (tests/test_grading.py reads its report, test_mutants the solution's after it)."""
+the solution graded again (tests/integration/test_grading.py reads its report, test_mutants the solution's after it)."""
 import os
 import time
 

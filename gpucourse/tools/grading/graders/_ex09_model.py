@@ -3,8 +3,8 @@
 Why a copy here: the exercise gives this model (exercises/ex09_fix_2d.py defines it, for the learner to read),
 and the grader's one-process reference must never run code from the learner's file, which a release has in place
 of the solution. So the grader process imports these classes and nothing of exercises/ or solutions/.
-tests/test_ex09_model.py checks that this copy and solutions/ex09_fix_2d.py's (hence the exercise's) are the same
-model: the same parameters from the same seed, and the same output for the same weights and input.
+tests/unit/tools/test_ex09_model.py checks that this copy and solutions/ex09_fix_2d.py's (hence the exercise's)
+are the same model: the same parameters from the same seed, and the same output for the same weights and input.
 """
 from torch import nn
 from torch.nn import functional as F

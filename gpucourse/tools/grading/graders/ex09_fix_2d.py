@@ -74,7 +74,7 @@ def course_model() -> type:
     """The TinyLM class the course gives (the exercise's model: it is not what is graded), for the one-process
     reference: the graders' own copy (_ex09_model.py), so that nothing of the learner's file (its class bodies, its
     module-level code) ever runs in the grader process, in the checkout or in a release (which has no solutions/).
-    tests/test_ex09_model.py keeps the copy and the solution's classes the same model."""
+    tests/unit/tools/test_ex09_model.py keeps the copy and the solution's classes the same model."""
     return ex09_model.TinyLM
 
 

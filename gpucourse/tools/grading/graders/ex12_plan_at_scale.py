@@ -37,9 +37,9 @@ CAPSTONE_DATA = course_root() / "data" / "macbeth.txt"
 # a 4 x d_model GELU MLP, context 64, one token per character of its corpus.
 CAPSTONE = {"layers": 1, "d_model": 64, "ffn": 256, "heads": 4, "kv_heads": 4, "mlp_matrices": 2,
             "vocab": len(set(CAPSTONE_DATA.read_text(encoding="utf-8")))}
-# name: (model, gpus, system, seq, global_batch). 70 B is the issue's example; 405 B is fastest with an interleaved
-# pipeline (the mutants that drop, starve or mis-schedule the pipeline show there); 8 B and 1.3 B fit with few or
-# no model-parallel GPUs.
+# name: (model, gpus, system, seq, global_batch). 70 B is chapter 12's example; 405 B is fastest with an
+# interleaved pipeline (the mutants that drop, starve or mis-schedule the pipeline show there); 8 B and 1.3 B fit
+# with few or no model-parallel GPUs.
 CASES = {
     "llama3-70b": ("llama3-70b", 1024, "h100-sxm", 8192, 512),
     "llama3-8b": ("llama3-8b", 64, "h100-sxm", 8192, 256),

@@ -117,7 +117,10 @@ def shape_params(model) -> dict:
     """Parameters of a shape: {"layer_dense" (attention, and the MLP of a dense model), "layer_experts" (all the
     experts of one MoE layer, and its router), "layer_active" (what one token meets in a layer: attention and top_k
     experts), "embedding", "head", "total", "matmul" (what takes part in matrix products for an average token:
-    every layer's active weights and the head; costs.model_flops_per_token's N)}. Norms and biases: left out.
+    every layer's active weights and the head; costs.model_flops_per_token's N), and the parts tensor parallelism
+    splits ("layer_split") and leaves whole ("layer_whole")}. Norms, biases and learned positions count only where
+    the shape names them: "norm" ("layernorm": 2d a norm, "rmsnorm": d; two a layer and a final one), "biases"
+    (True: every linear layer's), "positions" (rows of a learned position table). SHAPES leaves them out.
     A shape with "tied": True shares one matrix between the embedding and the head (Megatron-LM's GPTs): counted
     once in "total"; a pipeline still keeps a copy on its first and its last stage."""
     s = shape_of(model)
@@ -125,13 +128,25 @@ def shape_params(model) -> dict:
     attention = 2 * d * d + 2 * d * s["kv_heads"] * head_dim  # q and out; k and v, kv_heads wide
     mlp = s["mlp_matrices"] * d * s["ffn"]
     experts, top_k = s.get("experts", 0), s.get("top_k", 0)
-    layer_dense = attention + (0 if experts else mlp)
+    kv_width = s["kv_heads"] * head_dim
+    # what tensor parallelism splits (weights; the column-parallel layers' biases) and what it leaves whole on
+    # every tp rank (norms; the row-parallel layers' biases), when the shape counts biases and norms
+    split_biases = (d + 2 * kv_width + (s["mlp_matrices"] - 1) * s["ffn"] * (not experts)) * s.get("biases", False)
+    whole_biases = (d + d * (not experts)) * s.get("biases", False)
+    norm = {None: 0, "rmsnorm": d, "layernorm": 2 * d}[s.get("norm")]
+    layer_split = attention + (0 if experts else mlp) + split_biases
+    layer_whole = 2 * norm + whole_biases
+    layer_dense = layer_split + layer_whole
     layer_experts = experts * mlp + (d * experts if experts else 0)  # the router: d x E
     layer_active = attention + (top_k * mlp + d * experts if experts else mlp)
     embedding = head = s["vocab"] * d
-    total = s["layers"] * (layer_dense + layer_experts) + embedding + (0 if s.get("tied") else head)
-    return {"layer_dense": layer_dense, "layer_experts": layer_experts, "layer_active": layer_active,
-            "embedding": embedding, "head": head, "total": total, "matmul": s["layers"] * layer_active + head}
+    positions = s.get("positions", 0) * d
+    total = (s["layers"] * (layer_dense + layer_experts) + embedding + positions + norm
+             + (0 if s.get("tied") else head))
+    return {"layer_dense": layer_dense, "layer_split": layer_split, "layer_whole": layer_whole,
+            "layer_experts": layer_experts, "layer_active": layer_active, "embedding": embedding,
+            "positions": positions, "final_norm": norm, "head": head, "total": total,
+            "matmul": s["layers"] * layer_active + head}
 
 
 def activation_bytes_per_token(model, *, tp=1, sequence_parallel=True, recompute="selective", attention="flash",
@@ -235,10 +250,59 @@ def _check(s, gpus, dp, tp, pp, cp, ep, seq, micro_batch, zero, recompute, syste
                          f"group) and the {experts} experts")
 
 
+def collectives(s, stage, p, *, index, pp, dp, tp, m, chunks, zero, recompute, sequence_parallel, act_bytes,
+                state_bytes, layer_held) -> list[dict]:
+    """What one rank of a pipeline stage issues in one step, per process group: [{"group", "op", "calls",
+    "bytes"}], bytes in nccl-tests' convention (the full buffer of an all-gather or reduce-scatter, the buffer of
+    an all-reduce, the message of a send). A dry run counts the same (gpucourse.dryrun; the test holds them equal).
+
+    tp, per layer and micro-batch: without sequence parallelism 2 all-reduces forward (after the row-parallel
+    layers) and one backward per column-parallel input (1 + 1 when q, k, v and the MLP's input matrices are fused,
+    as in Megatron-LM; 3 + 1 for separate q, k, v and a GELU MLP: shape "fused": False); with it, 2 all-gathers
+    and 2 reduce-scatters each way. Full recomputation repeats the forward's. The vocabulary-parallel loss's
+    small all-reduces are left out.
+    dp (over dp x cp): ZeRO-3 as FSDP2 does it, one unit a layer and one for the rest (the root): an all-gather
+    per unit forward, again per layer unit backward (the root stays gathered), a reduce-scatter per unit, every
+    micro-batch; ZeRO-1/2 a reduce-scatter of the gradients (every micro-batch for ZeRO-2) and an all-gather of
+    the weights; ZeRO-0 an all-reduce. pp: a send and a receive per micro-batch and chunk, each way the stage
+    talks (1/tp of the activations under sequence parallelism)."""
+    out, layers = [], stage["layers"]
+    if tp > 1:
+        recomputed = recompute == "full"
+        if sequence_parallel:
+            calls = m * layers * 2 * (2 + recomputed)
+            out += [{"group": "tp", "op": op, "calls": calls, "bytes": calls * act_bytes}
+                    for op in ("all_gather", "reduce_scatter")]
+        else:
+            backward = (1 if s.get("fused", True) else 3) + (1 if s.get("fused", True) or s["mlp_matrices"] == 2
+                                                             else s["mlp_matrices"] - 1)
+            calls = m * layers * (2 * (1 + recomputed) + backward)
+            out.append({"group": "tp", "op": "all_reduce", "calls": calls, "bytes": calls * act_bytes})
+    if dp > 1:
+        held, grad, param = stage["params"], state_bytes["grad"], state_bytes["param"]
+        if zero == 3:
+            units = layers + (stage["root_params"] > 0)  # a layer's experts: gathered with their layer
+            out += [{"group": "dp", "op": "all_gather", "calls": m * (units + layers),
+                     "bytes": m * param * (held + layers * layer_held)},
+                    {"group": "dp", "op": "reduce_scatter", "calls": m * units, "bytes": m * grad * held}]
+        elif zero:
+            every = m if zero == 2 else 1
+            out += [{"group": "dp", "op": "reduce_scatter", "calls": every, "bytes": every * grad * held},
+                    {"group": "dp", "op": "all_gather", "calls": 1, "bytes": param * held}]
+        else:
+            out.append({"group": "dp", "op": "all_reduce", "calls": 1, "bytes": grad * held})
+    if pp > 1:
+        message = act_bytes / tp if sequence_parallel else act_bytes
+        ways = 1 if index in (0, pp - 1) else 2
+        out += [{"group": "pp", "op": op, "calls": ways * m * chunks, "bytes": ways * m * chunks * message}
+                for op in ("send", "recv")]
+    return out
+
+
 def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, global_batch=None, micro_batch=1,
                      zero=1, recompute="selective", system="h100-sxm", schedule="1f1b", virtual_stages=1,
                      sequence_parallel=None, attention="flash", dropout=False, dtype="bf16", device_bytes=80 * GiB,
-                     grad_bytes=BYTES["grad"]):
+                     grad_bytes=BYTES["grad"], recipe=None, vocab_parallel=True):
     """Memory per GPU and a step-time estimate for `model` (a SHAPES name or a shape dict) trained on `gpus` GPUs
     split dp x tp x pp x cp (ep inside dp x cp, MoE only), all MODELLED (module docstring).
 
@@ -250,11 +314,15 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
     virtual_stages >= 2 chunks per rank and at least pp micro-batches), "zero-bubble" (ZB-H1) or "dualpipev" (at
     least 2 pp micro-batches; rank 0 holds the first and the last chunk, so the embedding and the head). sequence_parallel: default on when
     tp > 1. attention: "flash" (no scores kept) or "unfused" (Megatron-LM 2021). device_bytes: the device's memory
-    (80 GiB for an "80 GB" A100 or H100).
+    (80 GiB for an "80 GB" A100 or H100). recipe: None for Megatron-LM's bytes (BYTES, grad_bytes), or one of
+    costs.RECIPES (costs.recipe_bytes_per_param with Adam; activations then 4 bytes under "fp32" and "autocast",
+    2 otherwise): "fp32" is what a CPU dry run holds. vocab_parallel: the embedding and the head split over tp
+    (Megatron-LM), or whole on every tp rank (the course's capstone).
 
     Returns {"label": "modelled", "fits", "device_bytes", "peak_bytes" (tensors), "reserved_bytes" (with headroom),
-    "stages": [first, last] each {"stage", "layers", "params", "memory": {"params", "grads", "optimizer",
-    "activations"}, "total"}, "micro_batches", "terms" (seconds per step, each term apart), "compute_s",
+    "stages": [first, last] each {"stage", "layers", "params", "states" (the sharded model states kept between
+    steps), "memory": {"params", "grads", "optimizer", "activations"} (at the peak), "total"}, "collectives" (what
+    one rank issues in a step, per group: `collectives`), "micro_batches", "terms" (seconds per step, each term apart), "compute_s",
     "bubble_s", "comm_s": {"tp", "cp", "pp", "dp", "ep"}, "step_s", "mfu", "hfu", "tflops_per_gpu",
     "tokens_per_s", "spans_nodes", "warnings", "assumes"}. Raises ValueError on a plan that cannot be laid out."""
     s = shape_of(model)
@@ -295,38 +363,58 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
                         + (": DeepSpeed refuses it under a pipeline, Megatron-LM pairs pipelines with ZeRO-1"
                            if pp > 1 else ""))
 
+    if recipe is None:
+        state_bytes, act_scale = {"param": BYTES["param"], "grad": grad_bytes, "optimizer": BYTES["optimizer"]}, 1
+    else:
+        r = costs.recipe_bytes_per_param(recipe, "adam")
+        state_bytes = {"param": r["parameters"], "grad": r["gradients"],
+                       "optimizer": r["master weights"] + r["optimizer states"]}
+        act_scale = 2 if recipe in ("fp32", "autocast") else 1
+    grad_bytes = state_bytes["grad"]
+
     # --- memory, first and last stage
     per_stage = [L // pp + (1 if i < L % pp else 0) for i in range(pp)]
     per_layer_act = activation_bytes_per_token(s, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute,
-                                               attention=attention, seq=seq, dropout=dropout) * tokens
+                                               attention=attention, seq=seq, dropout=dropout) * tokens * act_scale
     if experts:  # each token's activations inside the MLP exist top_k times
         mlp_share = 4 * 2 * s["ffn"] / tp
         per_layer_act += (s["top_k"] - 1) * mlp_share * tokens * (recompute != "full")
     groups = sum(n > 1 for n in (tp, cp, pp, dp, ep))
     stages = []
     head_rank = 0 if schedule == "dualpipev" else pp - 1  # DualPipeV's V: rank 0 holds the first and last chunk
+    vocab_split = tp if vocab_parallel else 1  # Megatron splits the embedding and the head over tp
+    layer_held = p["layer_split"] / tp + p["layer_whole"]
     for name, index in (("first", 0), ("last", pp - 1)):
         layers = per_stage[index]
-        dense = layers * p["layer_dense"] / tp + (p["embedding"] / tp if index == 0 else 0) + (
-            p["head"] / tp if index == head_rank else 0)
+        dense = layers * layer_held + (
+            (p["embedding"] / vocab_split + p["positions"]) if index == 0 else 0) + (
+            (p["head"] / vocab_split + p["final_norm"]) if index == head_rank else 0)
         expert = layers * p["layer_experts"] / (tp * ep)
         states = {}
-        for part, nbytes in (("params", BYTES["param"]), ("grads", grad_bytes), ("optimizer", BYTES["optimizer"])):
+        for part, nbytes in (("params", state_bytes["param"]), ("grads", state_bytes["grad"]),
+                             ("optimizer", state_bytes["optimizer"])):
             kw = {"param_bytes": 0, "grad_bytes": 0, "optimizer_bytes": 0,
                   {"params": "param_bytes", "grads": "grad_bytes", "optimizer": "optimizer_bytes"}[part]: nbytes}
             states[part] = (costs.zero_memory_bytes(dense, dp * cp, zero, **kw)
                             + costs.zero_memory_bytes(expert, dp * cp // ep, zero, **kw))
+        sharded = dict(states)  # what the rank keeps between steps (a dry run's model states)
         if zero == 3:  # the layer in use and the next one, gathered whole
-            states["params"] += 2 * BYTES["param"] * (p["layer_dense"] / tp + p["layer_experts"] / (tp * ep))
+            states["params"] += 2 * state_bytes["param"] * (layer_held + p["layer_experts"] / (tp * ep))
         sched = {"1f1b": "1F1B", "zero-bubble": "1F1B", "interleaved": "Interleaved1F1B",
                  "dualpipev": "DualPipeV"}[schedule]
         in_flight = costs.pipeline_peak_activations(pp, m, chunks, index, sched) if pp > 1 else 1
         activations = in_flight * layers / chunks * per_layer_act
         if index == head_rank:
-            activations += 4 * tokens * s["vocab"] / tp  # fp32 logits for the loss
+            activations += 4 * tokens * s["vocab"] / vocab_split  # fp32 logits for the loss
         memory = {**states, "activations": activations}
-        stages.append({"stage": name, "layers": layers, "params": dense + expert, "memory": memory,
-                       "total": sum(memory.values())})
+        stages.append({"stage": name, "layers": layers, "params": dense + expert, "root_params": dense - layers *
+                       layer_held, "states": sharded,
+                       "memory": memory, "total": sum(memory.values())})
+    for st, index in zip(stages, (0, pp - 1)):
+        st["collectives"] = collectives(s, st, p, index=index, pp=pp, dp=dp * cp, tp=tp, m=m, chunks=chunks,
+                                        zero=zero, recompute=recompute, sequence_parallel=sequence_parallel,
+                                        act_bytes=2 * act_scale * tokens * d, state_bytes=state_bytes,
+                                        layer_held=layer_held)
     if pp == 1:
         stages = stages[:1]
     peak = max(st["total"] for st in stages)
@@ -335,7 +423,7 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
     # --- one micro-batch (forward + backward) on each stage; the slowest sets the pipeline's pace
     passes = 3 + (recompute == "full")  # forward, backward (2x), and the forward again under full recomputation
     kv_width = s["kv_heads"] * (d // s["heads"])
-    act_bytes = 2 * tokens * d  # one micro-batch's hidden states on this rank's sequence, bf16
+    act_bytes = 2 * act_scale * tokens * d  # one micro-batch's hidden states on this rank's sequence
     tp_calls = (4 if sequence_parallel else 2) * (2 + (recompute == "full"))  # per layer: fwd, bwd, recomputed
     tp_kind = "all_gather" if sequence_parallel else "all_reduce"  # all-gathers and reduce-scatters cost the same
     ew = 3 * (_ELEMENTWISE_FORWARD["per_d_model"] * d + _ELEMENTWISE_FORWARD["per_ffn"] * s["ffn"]
@@ -353,7 +441,7 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
         "cp comm": 2 * _time("all_gather", 2 * 2 * seq * b * kv_width / tp, cp, system, span["cp"]),
         "ep comm": 4 * _time("all_to_all", act_bytes / tp * s.get("top_k", 0), ep, system, span["ep"]),
     }
-    head = 2 * 3 * p["head"] / tp * tokens / (rate["matmul"] * KERNEL_EFFICIENCY)  # the last stage's output layer
+    head = 2 * 3 * p["head"] / vocab_split * tokens / (rate["matmul"] * KERNEL_EFFICIENCY)  # the last stage's output layer
 
     def stage_parts(index):
         parts = {name: v * per_stage[index] for name, v in per_layer.items()}
@@ -369,13 +457,14 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
     held = max(st["params"] for st in stages)
     shard = dp * cp
     reduce_grads = _time("reduce_scatter" if zero else "all_reduce", grad_bytes * held, shard, system, span["dp"])
-    gather_params = _time("all_gather", BYTES["param"] * held, shard, system, span["dp"]) if zero else 0.0
+    gather_params = _time("all_gather", state_bytes["param"] * held, shard, system, span["dp"]) if zero else 0.0
     if zero >= 2 and m > 1:  # every micro-batch, hidden behind its own compute where it fits
         per_mb = reduce_grads + (2 * gather_params if zero == 3 else 0.0)
         dp_comm = m * max(0.0, per_mb - t_mb) + gather_params * (zero == 2)
     else:  # once a step, behind the last micro-batch's backward
         dp_comm = max(0.0, reduce_grads - t_mb * costs.BACKWARD_FRACTION) + gather_params
-    optimizer = held / (shard if zero else 1) * (2 * BYTES["optimizer"] + grad_bytes + BYTES["param"]) / rate["hbm"]
+    optimizer = held / (shard if zero else 1) * (2 * state_bytes["optimizer"] + grad_bytes + state_bytes["param"]) / (
+        rate["hbm"])
 
     terms = {name: m * v for name, v in stage_parts(slowest).items()}
     terms.update({"pipeline bubble": bubble_slots(schedule, pp, virtual_stages) * t_mb, "pp comm": pp_comm,

@@ -221,6 +221,42 @@ def test_fake_tensors_dry_run_a_model_larger_than_the_machine(big_model):
     assert rank["flops"] == 2 * (2 * 2 * d * d)  # forward 2 B d d; backward as much (the weight's gradient alone)
 
 
+# The planner against the dry run's counts: the capstone, FSDP x TP at world 8 (dp 4 x tp 2), fake tensors, fp32
+# (what a CPU rank holds). In `make test` a small width; with GPUCOURSE_DRYRUN_ALL_WORLDS=1 also FSDP alone and an
+# 8 B-class width and depth (d_model 4096, 32 layers: minutes on 2 cores).
+PLANNED = {"2d-small": (4, 2, 512, 2, 8, 256)}  # dp, tp, d_model, layers, heads, context
+if os.environ.get("GPUCOURSE_DRYRUN_ALL_WORLDS") == "1":
+    PLANNED |= {"fsdp-small": (8, 1, 512, 2, 8, 256), "2d-8b-class": (4, 2, 4096, 32, 32, 2048)}
+
+
+@pytest.mark.parametrize("case", list(PLANNED))
+def test_the_planner_equals_the_dry_runs_counts(case):
+    """Model states and every collective per group (calls and bytes) equal; activations within 10 %."""
+    from gpucourse.models import planner
+
+    dp, tp, d, layers, heads, context = PLANNED[case]
+    batch = 2 * dp
+    vocab = len(set((ROOT / "data" / "macbeth.txt").read_text(encoding="utf-8")))  # the capstone's characters
+    args = ["--dp", dp, "--tp", tp, "--batch", batch, "--d-model", d, "--layers", layers, "--heads", heads,
+            "--context", context, "--steps", "2", "--warmup-steps", "0", "--eval-batches", "0", "--sample", "0"]
+    report = dr.dryrun(CAPSTONE, world=dp * tp, args=args, fake_tensors=True, timeout=1200)
+    shape = {"layers": layers, "d_model": d, "ffn": 4 * d, "heads": heads, "kv_heads": heads, "vocab": vocab,
+             "mlp_matrices": 2, "biases": True, "norm": "layernorm", "positions": context, "fused": False}
+    plan = planner.plan_parallelism(shape, gpus=dp * tp, dp=dp, tp=tp, seq=context, global_batch=batch,
+                                    micro_batch=batch // dp, zero=3, recipe="fp32", vocab_parallel=False,
+                                    sequence_parallel=False, recompute="none")
+    stage = plan["stages"][0]
+    for rank in report["ranks"]:
+        assert rank["model_states"] == {k: int(v) for k, v in stage["states"].items()}, rank["rank"]
+        groups = {"tp": tp, "dp": dp}
+        # the one call the planner leaves out: the script's 4-byte all-reduce of the loss it logs
+        counted = sorted((next(g for g, n in groups.items() if n == c["group_size"]), c["op"].removesuffix("_single"),
+                          c["calls"], c["bytes"]) for c in rank["comms"] if c["bytes"] != 4)
+        planned = sorted((c["group"], c["op"], c["calls"], int(c["bytes"])) for c in stage["collectives"])
+        assert counted == planned, rank["rank"]
+        assert stage["memory"]["activations"] == pytest.approx(rank["memory"]["activations"], rel=0.10)
+
+
 @pytest.mark.parametrize("read", ["print", "item"])
 def test_a_value_read_under_fake_tensors_names_the_line(big_model, read):
     """print(tensor) and .item(): one line naming the script's line, exit 1 (~4 s each, through the CLI)."""

@@ -17,7 +17,7 @@ from .argtypes import positive_int, positive_seconds
 EXIT_CODES = {"ok": 0, "failed": 1, "timeout": 124, "stalled": 124, "interrupted": 130}
 # Modules that add their own subcommands with add_cli(subparsers), kept out of this file.
 PLUGINS = ("gpucourse.tools.grading.runner", "gpucourse.tools.course", "gpucourse.run.slurm", "gpucourse.tools.release",
-           "gpucourse.tools.gpu_check", "gpucourse.tools.workspace")
+           "gpucourse.tools.gpu_check", "gpucourse.tools.workspace", "gpucourse.tools.scripts")
 
 
 def _launch(args) -> int:

@@ -152,11 +152,12 @@ def test_scripts_equal_what_the_notebook_writes(path):
             continue
         target = (path.parent / m.group(1)).resolve()
         assert target.parent == ROOT / "scripts", f"{path.name} writes outside scripts/: {m.group(1)}"
-        assert target.exists(), f"{target.name} is missing: run the notebook once and commit scripts/"
+        assert target.exists(), f"{target.name} is missing: run `gpucourse scripts` and commit scripts/"
         body = cell.source[m.end():]
         # %%writefile writes the cell body plus a final newline
         assert target.read_text() == body + ("\n" if not body.endswith("\n") else ""), (
-            f"scripts/{target.name} differs from what {path.name} writes: re-run the cell and commit both")
+            f"scripts/{target.name} differs from what {path.name} writes: run `gpucourse scripts` (it writes scripts/ "
+            "from the cells) and commit both")
 
 
 @pytest.mark.parametrize("path", CHECKED, ids=lambda p: p.stem)

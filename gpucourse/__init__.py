@@ -38,7 +38,7 @@ _MODULES = {
     "costs": "gpucourse.models.costs", "memory": "gpucourse.models.memory", "traces": "gpucourse.models.traces",
     "units": "gpucourse.models.units",
     "plots": "gpucourse.viz.plots", "timeline": "gpucourse.viz.timeline", "widgets": "gpucourse.viz.widgets",
-    "quiz": "gpucourse.viz.quiz", "slurm": "gpucourse.run.slurm",
+    "quiz": "gpucourse.viz.quiz", "problems": "gpucourse.viz.problems", "slurm": "gpucourse.run.slurm",
     "exercises": "gpucourse.tools.exercises", "grading": "gpucourse.tools.grading",
     "labconfig": "gpucourse.tools.labconfig",
 }

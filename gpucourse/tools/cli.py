@@ -1,4 +1,4 @@
-"""The `gpucourse` command: launch, doctor, runs, hardware (and the course's other tools).
+"""The `gpucourse` command: launch, doctor, runs, hardware, progress (and the course's other tools).
 
 Exit codes: 0 success; 1 the job (or check) failed; 2 bad input; 124 timed out or stalled; 130 interrupted.
 Bad input never shows a Python traceback: one line saying what was wrong and what to do.
@@ -121,6 +121,22 @@ def _hardware(args) -> int:
     return 0
 
 
+def _progress(args) -> int:
+    from ..viz import problems
+
+    path = Path(args.file) if args.file else problems.progress_file()
+    rows = problems.progress(path)
+    if not path.is_file():
+        print(f"No answers recorded yet ({path}): a chapter's problems.show(\"12\") cell records each one you check.")
+    else:
+        print(f"Problems answered right, from {path}:")
+    for chapter, row in rows.items():
+        print(f"  chapter {chapter}: {row['right']} of {row['problems']} right ({row['tried']} tried)")
+    total = sum(row["right"] for row in rows.values()), sum(row["problems"] for row in rows.values())
+    print(f"  all: {total[0]} of {total[1]} right")
+    return 0
+
+
 class UsageError(ValueError):
     """A command-line request that cannot be carried out as given (checked by the CLI itself)."""
 
@@ -198,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("hardware", help="what this machine has and what the launcher would choose")
     p.set_defaults(func=_hardware)
+
+    p = sub.add_parser("progress", help="per chapter, how many of its numeric problems you answered right")
+    p.add_argument("--file", help="the progress file (default: mywork/problems-progress.jsonl of this checkout, "
+                                  "or $GPUCOURSE_PROGRESS)")
+    p.set_defaults(func=_progress)
 
     for name in PLUGINS:
         try:

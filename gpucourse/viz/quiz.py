@@ -90,7 +90,7 @@ class QuickCheck:
         return bundle
 
 
-def _in_kernel() -> bool:
+def in_kernel() -> bool:
     """True inside a Jupyter kernel (where widgets can render); False in a terminal or plain Python."""
     if "ipykernel" not in sys.modules:
         return False
@@ -100,3 +100,6 @@ def _in_kernel() -> bool:
         return getattr(get_ipython(), "kernel", None) is not None
     except ImportError:
         return False
+
+
+_in_kernel = in_kernel  # QuickCheck's name for it (its tests replace it)

@@ -1,0 +1,51 @@
+"""Numeric problems, a module a chapter, each answer computed by the course's models (base.py says how).
+
+    from gpucourse.viz import problems
+    problems.show("12")                        # chapter 12's problems, one widget each
+    problems.show("01.your-busbw-predict", time_ms=41.0)   # one problem, with a number from your own run
+
+`gpucourse progress` prints, per chapter, how many problems you have answered right (base.progress_file).
+Add a problem: docs/problems.md.
+"""
+from __future__ import annotations
+
+from . import ch01, ch05, ch07, ch12
+from .base import Problem, ProblemSet, progress_by_chapter, progress_file, read_progress
+
+CHAPTERS: dict[str, list[Problem]] = {"01": ch01.PROBLEMS, "05": ch05.PROBLEMS, "07": ch07.PROBLEMS,
+                                      "12": ch12.PROBLEMS}
+TITLES = {"01": "Chapter 01 · collectives: bus bandwidth and the alpha-beta model",
+          "05": "Chapter 05 · pipelines: the bubble and the activations in flight",
+          "07": "Chapter 07 · ZeRO: model states per GPU",
+          "12": "Chapter 12 · at scale: the planner, MFU and published runs"}
+
+
+def all_problems() -> list[Problem]:
+    return [p for ps in CHAPTERS.values() for p in ps]
+
+
+def get(problem_id: str) -> Problem:
+    """One problem by its id ('12.interleaved-bubble'), fresh (no tries counted)."""
+    for p in all_problems():
+        if p.id == problem_id:
+            return p.given()
+    raise ValueError(f"no problem {problem_id!r}; chapters with problems: {', '.join(CHAPTERS)} "
+                     f"(problems.show('12') lists chapter 12's)")
+
+
+def show(key: str, **inputs):
+    """A chapter's problems ("12"), or one problem ("12.mfu") with some of its inputs replaced by yours."""
+    key = str(key)
+    if "." in key:
+        return get(key).given(**inputs)
+    chapter = key.zfill(2)
+    if chapter not in CHAPTERS:
+        raise ValueError(f"no problems for chapter {key!r} yet; chapters with problems: {', '.join(CHAPTERS)}")
+    if inputs:
+        raise ValueError("inputs go to one problem: problems.show('01.your-busbw-predict', time_ms=...)")
+    return ProblemSet(TITLES[chapter], [p.given() for p in CHAPTERS[chapter]])
+
+
+def progress(path=None) -> dict[str, dict]:
+    """{chapter: {"problems", "tried", "right"}} from the learner's progress file (default: progress_file())."""
+    return progress_by_chapter(read_progress(path), CHAPTERS)

@@ -1,0 +1,258 @@
+"""Numeric problems: every answer is a call into the course's models and every worked solution states the numbers
+that call computes; a typed answer is refused; the widget marks right, gives the hint, then the worked solution;
+answers are recorded in the learner's workspace and `gpucourse progress` reads them."""
+import json
+import math
+import re
+
+import pytest
+
+from gpucourse.models import costs, memory, planner, published
+from gpucourse.viz import problems
+from gpucourse.viz.problems import base
+from gpucourse.viz.problems.base import LEVELS, Problem, parse_number, progress_file
+
+from tests.conftest import run_cli
+
+ALL = problems.all_problems()
+H100 = costs.SYSTEMS["h100-sxm"]["device"]
+MiB = 2 ** 20
+
+
+@pytest.fixture(autouse=True)
+def progress(tmp_path, monkeypatch):
+    """Every test records into its own file, never into a real workspace."""
+    path = tmp_path / "progress.jsonl"
+    monkeypatch.setenv(base.PROGRESS_ENV, str(path))
+    return path
+
+
+def flops(model, seq, **kw):
+    s, p = planner.shape_of(model), planner.shape_params(model)
+    if kw:
+        return costs.hardware_flops_per_token(p["matmul"], s["layers"], s["d_model"], seq, **kw)
+    return costs.model_flops_per_token(p["matmul"], s["layers"], s["d_model"], seq)
+
+
+def gives_away(problem, text):
+    """The answer, as shown, standing alone in text (not '6 micro-batches' inside '16 micro-batches')."""
+    return re.search(r"(?<![\d.,])" + re.escape(problem.answer_text()), text) is not None
+
+
+def first_stage_states():
+    plan = planner.plan_parallelism("llama3-70b", gpus=1024, dp=32, tp=8, pp=4, zero=1)
+    return sum(plan["stages"][0]["memory"][k] for k in ("params", "grads", "optimizer"))
+
+
+# Each problem's answer, in its unit, written again here straight from the course's functions with the numbers the
+# problem states: a problem whose inputs or work drift from what it asks fails here.
+WIDGET = {"layers": 32, "d_model": 4096, "ffn": 16384, "heads": 32, "kv_heads": 32, "vocab": 30522,
+          "mlp_matrices": 2, "tied": True}
+EXPECTED = {
+    "01.busbw-all-reduce": lambda: costs.busbw("all_reduce", 256 * MiB, 1.5e-3, 8) / 1e9,
+    "01.busbw-all-gather": lambda: costs.busbw("all_gather", 1024 * MiB, 3e-3, 16) / 1e9,
+    "01.ring-time-nvlink": lambda: costs.collective_time("all_reduce", 64 * MiB, 8, 3e-6, 1 / 450e9) / 1e-6,
+    "01.latency-crossover": lambda: 16 * 6e-6 * 50e9 / 1024,  # S = n alpha / beta
+    "01.gradients-all-reduce": lambda: costs.collective_time("all_reduce", 16e9, 64, 6e-6, 1 / 50e9),
+    "01.your-busbw-predict": lambda: 256 * MiB * 1.5 / costs.busbw("all_reduce", 64 * MiB, 0.08, 2) / 1e-3,
+    "01.your-alpha": lambda: costs.fit_alpha_beta([4096, 64 * MiB], [150e-6, 0.08], n=2).alpha / 1e-6,
+    "05.bubble-1f1b": lambda: 100 * costs.pipeline_bubble_fraction(4, 8),
+    "05.bubble-ratio": lambda: 100 * costs.pipeline_bubble_ratio(8, 32),
+    "05.bubble-interleaved": lambda: 100 * costs.pipeline_bubble_fraction(4, 8, 2),
+    "05.fewest-micro-batches": lambda: 63,  # 7 / (m + 7) <= 0.1
+    "05.in-flight-1f1b": lambda: costs.pipeline_peak_activations(8, 16, rank=2),
+    "05.interleaved-memory": lambda: costs.pipeline_peak_activations(4, 8, 2, 0, "Interleaved1F1B") / 2 * 3.0,
+    "05.your-step-more-micro-batches": lambda: 0.7 * (1 - 3 / 7) / 4 * 8 / (1 - 3 / 11),
+    "07.zero2-7b5": lambda: costs.zero_memory_bytes(7.5e9, 64, 2) / 1e9,
+    "07.zero1-7b5": lambda: costs.zero_memory_bytes(7.5e9, 64, 1) / 1e9,
+    "07.largest-zero3": lambda: memory.largest_model(80e9, 64, 3) / 1e9,
+    "07.zero3-comm": lambda: costs.zero_comm_volume(7.5e9, 3) / 1e9,
+    "07.batch-that-fits": lambda: (80e9 - costs.zero_memory_bytes(7.5e9, 8, 1)) // 4e9,
+    "07.audit-widget-vocab": lambda: (planner.shape_params("llama3-8b")["total"]
+                                      - planner.shape_params(WIDGET)["total"]) / 1e9,
+    "07.audit-widget-tp": lambda: planner.shape_params("llama3-8b")["total"] * 2 / 8 / 1e9,
+    "12.zero1-fp32-grads": lambda: costs.zero_memory_bytes(planner.shape_params("llama3-8b")["total"], 64, 1,
+                                                           grad_bytes=4) / 1e9,
+    "12.first-stage-states": lambda: first_stage_states() / 2 ** 30,
+    "12.interleaved-bubble": lambda: 100 * costs.pipeline_bubble_fraction(16, 2048 // 128, 4),
+    "12.mfu": lambda: 100 * costs.mfu(900 * flops("llama3-70b", 4096), H100),
+    "12.hfu": lambda: 100 * costs.hfu(900 * flops("llama3-70b", 4096, recompute="full"), H100),
+    "12.published-step": lambda: 2048 * 8192 * flops("llama3-405b", 8192) / (16384 * 400e12),
+    "12.megatron-mfu": lambda: 100 * published.read_published("Megatron-LM 1T (Narayanan et al. 2021)")["reported_mfu"],
+    "12.audit-max-context": lambda: 100 * (flops("gpt-1.3b", 2048) / flops("gpt-1.3b", 1024) - 1),
+    "12.audit-sparse-peak": lambda: 100 * 400e12 / costs.peak_flops(H100),
+}
+# Published figures the answers must agree with (the ZeRO paper's Figure 1, Llama 3's parameter count, the
+# memory calculator's preset): the course's formulas reproduce them.
+PUBLISHED_FIGURES = {"07.zero1-7b5": 31.4, "07.zero2-7b5": 16.6, "07.audit-widget-vocab": 8.03 - 6.57,
+                     "12.interleaved-bubble": 100 * 3.75 / 19.75}
+
+
+def test_each_chapter_has_five_problems_or_more_and_three_audits_in_all():
+    for chapter in ("01", "05", "07", "12"):
+        assert len(problems.CHAPTERS[chapter]) >= 5, chapter
+    assert sum(p.level == "audit" for p in ALL) >= 3
+    assert len({p.id for p in ALL}) == len(ALL)  # ids unique
+    assert {p.level for p in ALL} == set(LEVELS)
+    assert all(p.chapter == ch for ch, ps in problems.CHAPTERS.items() for p in ps)
+
+
+@pytest.mark.parametrize("problem", ALL, ids=lambda p: p.id)
+def test_the_answer_is_the_courses_call(problem):
+    assert callable(problem.work) and base.course_calls(problem.work)
+    assert problem.answer == pytest.approx(problem.values()["answer"] / problem.scale)
+    assert problem.answer == pytest.approx(EXPECTED[problem.id](), rel=1e-9)
+    if problem.id in PUBLISHED_FIGURES:
+        assert problem.answer == pytest.approx(PUBLISHED_FIGURES[problem.id], abs=0.06)
+
+
+def test_every_problem_has_an_expected_value_here():
+    assert set(EXPECTED) == {p.id for p in ALL}
+
+
+@pytest.mark.parametrize("problem", ALL, ids=lambda p: p.id)
+def test_the_worked_solution_states_the_computed_numbers(problem):
+    text = problem.solution_text()
+    assert problem.answer_text() in text
+    values = {**problem.inputs, **problem.values()}
+    for name in base.fields(problem.solution) - {"answer"}:  # each step named in the template, as computed
+        assert name in values, f"{problem.id}: {name} is neither an input nor a computed value"
+    assert "{" not in text and "}" not in text
+    assert "gpucourse.models:" in text
+    assert not gives_away(problem, problem.question_text())  # the question gives the inputs, never the answer
+    assert problem.hint and problem.hint not in text
+
+
+@pytest.mark.parametrize("problem", ALL, ids=lambda p: p.id)
+def test_every_problem_is_marked_right_hint_then_solution(problem):
+    p = problem.given()
+    right = p.check(p.format(p.answer))
+    assert right.correct and right.kind == "right" and p.answer_text() in right.text
+    wrong = p.answer * 3 + 7
+    first = p.check(wrong)
+    assert not first.correct and first.kind == "hint" and p.hint in first.text and p.answer_text() not in first.text
+    second = p.check(wrong)
+    assert second.kind == "solution" and p.solution_text() in second.text
+
+
+@pytest.mark.parametrize("problem", [p for p in ALL if p.traps], ids=lambda p: p.id)
+def test_a_known_slip_is_named(problem):
+    for key, message in problem.traps.items():
+        p = problem.given()
+        slip = p.values()[key] / p.scale
+        assert not p.is_right(slip), f"{p.id}: the slip {key} gives the right answer"
+        assert message in p.check(slip, record=False).text
+
+
+def test_a_typed_answer_is_refused():
+    kw = dict(question="q {x}", inputs={"x": 1}, unit="GB", hint="h", solution="{answer}")
+    with pytest.raises(ValueError, match="not a typed value"):
+        Problem("07.typed", work=42.0, **kw)
+    with pytest.raises(ValueError, match="calls nothing from gpucourse.models"):
+        Problem("07.typed", work=lambda x: {"answer": 42.0}, **kw)
+    Problem("07.computed", work=lambda x: {"answer": costs.zero_comm_volume(x, 0)}, **kw)  # a call: accepted
+
+
+@pytest.mark.parametrize("change, match", [({"id": "zero"}, "NN.slug"), ({"level": "hard"}, "level"),
+                                           ({"solution": "no answer"}, "answer"), ({"question": "{y}"}, "inputs"),
+                                           ({"own": ("y",)}, "own")])
+def test_a_malformed_problem_is_refused(change, match):
+    kw = dict(id="07.ok", question="q {x}", inputs={"x": 1.0}, work=lambda x: {"answer": costs.zero_comm_volume(x, 0)},
+              unit="GB", hint="h", solution="{answer}")
+    with pytest.raises(ValueError, match=match):
+        Problem(**{**kw, **change})
+
+
+@pytest.mark.parametrize("typed, unit, value", [("1,234.5", "GB", 1234.5), ("16.6 GB", "GB", 16.6), ("19 %", "%", 19),
+                                                ("1.2e3", "µs", 1200.0), (7, "", 7.0)])
+def test_numbers_are_read_as_learners_type_them(typed, unit, value):
+    assert parse_number(typed, unit) == value
+
+
+def test_unreadable_input_is_not_counted_or_recorded(progress):
+    p = problems.get("05.bubble-1f1b")
+    fb = p.check("about a third")
+    assert fb.kind == "unread" and p.wrong_tries == 0 and not progress.exists()
+
+
+def test_own_run_inputs_replace_the_defaults():
+    mine = problems.show("01.your-busbw-predict", time_ms=40.0)
+    assert mine.answer == pytest.approx(problems.get("01.your-busbw-predict").answer / 2)
+    assert "40.0 ms" in mine.question_text() and "time_ms" in mine.text()
+    with pytest.raises(ValueError, match="no input"):
+        problems.show("01.your-busbw-predict", nope=1)
+    with pytest.raises(ValueError, match="no problem"):
+        problems.show("12.no-such-problem")
+    with pytest.raises(ValueError, match="no problems for chapter"):
+        problems.show("99")
+
+
+def test_widget_marks_wrong_with_the_hint_then_the_solution_then_right(monkeypatch, progress):
+    p = problems.show("12.interleaved-bubble")
+    title, row, feedback = p.widget().children
+    answer, unit, button = row.children
+    assert "pipeline bubble" in title.value and unit.value == "%" and p.source[:20] in title.value
+    button.click()
+    assert "Type a number" in feedback.value
+    answer.value = "48.4"  # plain 1F1B's bubble: the slip is named, then the hint
+    button.click()
+    assert "#c62828" in feedback.value and "interleaving" in feedback.value and "Hint" in feedback.value
+    answer.value = "25"
+    button.click()
+    assert "Worked solution" in feedback.value and "19.0 %" in feedback.value and "Hint" not in feedback.value
+    answer.value = "19.0"
+    button.click()
+    assert "#2e7d32" in feedback.value and "Correct" in feedback.value
+    assert [r["right"] for r in problems.read_progress(progress)] == [False, False, True]
+    monkeypatch.setattr(base, "in_kernel", lambda: True)
+    assert "application/vnd.jupyter.widget-view+json" in p._repr_mimebundle_()
+
+
+def test_a_chapter_shows_as_one_set():
+    chapter = problems.show("12")
+    assert len(chapter) == len(problems.CHAPTERS["12"]) and len(chapter.widget().children) == len(chapter) + 1
+    text = str(chapter)
+    assert "12.mfu" in text and not any(gives_away(p, text) for p in chapter)
+    assert chapter._repr_mimebundle_() == {"text/plain": text}  # no kernel here: text only
+
+
+def test_progress_goes_to_the_workspace_never_the_course_notebooks(tmp_path, monkeypatch):
+    monkeypatch.delenv(base.PROGRESS_ENV)
+    checkout = tmp_path / "course"
+    (checkout / "notebooks").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text('name = "gpucourse"\n')
+    (checkout / "mywork").mkdir()
+    assert progress_file(checkout / "notebooks") == checkout / "mywork" / base.PROGRESS_FILE
+    assert progress_file(checkout / "mywork") == checkout / "mywork" / base.PROGRESS_FILE
+    assert progress_file(tmp_path / "notebooks") == tmp_path / "mywork" / base.PROGRESS_FILE
+    elsewhere = tmp_path / "colab"
+    elsewhere.mkdir()
+    assert progress_file(elsewhere) == elsewhere / base.PROGRESS_FILE
+    monkeypatch.chdir(checkout / "notebooks")
+    path = base.record_answer(problems.get("07.zero1-7b5"), "31.4", True)
+    assert path == checkout / "mywork" / base.PROGRESS_FILE and not list((checkout / "notebooks").iterdir())
+
+
+def test_gpucourse_progress_counts_problems_answered_right_per_chapter(progress, tmp_path):
+    for pid, typed in [("07.zero1-7b5", "30"), ("07.zero1-7b5", "31.4"), ("07.zero2-7b5", "16.64"),
+                       ("12.mfu", "54.5"), ("01.busbw-all-reduce", "313.2")]:
+        problems.get(pid).check(typed)
+    progress.open("a").write("a torn line\n")
+    summary = problems.progress(progress)
+    assert summary["07"] == {"problems": len(problems.CHAPTERS["07"]), "tried": 2, "right": 2}
+    assert summary["12"]["right"] == 0 and summary["12"]["tried"] == 1 and summary["05"]["tried"] == 0
+    out = run_cli("progress", env={base.PROGRESS_ENV: str(progress)}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert f"chapter 07: 2 of {len(problems.CHAPTERS['07'])} right (2 tried)" in out.stdout
+    assert "chapter 01: 1 of" in out.stdout and "chapter 12: 0 of" in out.stdout and str(progress) in out.stdout
+    lines = [json.loads(x) for x in progress.read_text().splitlines()[:-1]]
+    assert {"time", "chapter", "problem", "typed", "right"} <= set(lines[0])
+    empty = run_cli("progress", "--file", tmp_path / "none.jsonl", cwd=tmp_path)
+    assert empty.returncode == 0 and "No answers recorded yet" in empty.stdout
+
+
+def test_course_calls_reads_the_models_functions_a_work_uses():
+    calls = base.course_calls(problems.get("12.megatron-mfu").work)
+    assert "published.read_published" in calls and "published.megatron_flops_per_iteration" in calls
+    assert "planner.shape_of" in calls and not any(c.startswith("published.shape_of") for c in calls)
+    assert not math.isnan(problems.get("12.megatron-mfu").answer)

@@ -34,6 +34,18 @@ def _megatron(model, gpus, pp, batch, tflops):
             "reported": {"tflops_per_gpu": tflops, "text": f"{tflops} TFLOP/s a GPU (their eq. 3)"}}
 
 
+def _llama(gpus, dp, cp, seq, tflops, mfu):
+    """A row of Llama 3's Table 4: tp 8, pp 16, 16M tokens a batch."""
+    plan = {"model": "llama3-405b", "gpus": gpus, "dp": dp, "tp": 8, "pp": 16, "cp": cp, "seq": seq,
+            "global_batch": 16 * 2 ** 20 // seq, "system": "h100-sxm", "schedule": "interleaved",
+            "virtual_stages": 4, "recompute": "none", "zero": 1}
+    return {"source": f"{_LLAMA}: tp 8, cp {cp}, pp 16, dp {dp}, {seq:,} tokens, {tflops} TFLOP/s, {mfu:.0%}",
+            "plan": plan, "counted": "model",
+            "assumed": "micro-batch 1; 4 chunks a rank (the paper gives no number); no recomputation",
+            "reported": {"tflops_per_gpu": tflops, "mfu": mfu,
+                         "text": f"{tflops} TFLOP/s a GPU, {mfu:.0%} BF16 MFU"}}
+
+
 PUBLISHED = {
     "Megatron-LM 39B (Narayanan et al. 2021)": _megatron("megatron-39b", 512, 2, 1536, 138),
     "Megatron-LM 76B (Narayanan et al. 2021)": _megatron("megatron-76b", 1024, 4, 1792, 140),
@@ -50,30 +62,9 @@ PUBLISHED = {
         "counted": "megatron", "assumed": "micro-batch 1, 1F1B (DeepSpeed's pipeline engine), ZeRO-1",
         "reported": {"tflops_per_gpu": 126, "text": "126 TFLOP/s a GPU"},
     },
-    "Llama 3 405B, 8K, 8,192 GPUs (Grattafiori et al. 2024)": {
-        "source": _LLAMA + ": tp 8, cp 1, pp 16, dp 64, 8,192 tokens, 430 TFLOP/s, 43 %",
-        "plan": {"model": "llama3-405b", "gpus": 8192, "dp": 64, "tp": 8, "pp": 16, "seq": 8192,
-                 "global_batch": 2048, "system": "h100-sxm", "schedule": "interleaved", "virtual_stages": 4,
-                 "recompute": "none", "zero": 1},
-        "counted": "model", "assumed": "micro-batch 1; 4 chunks a rank (the paper gives no number); no recomputation",
-        "reported": {"tflops_per_gpu": 430, "mfu": 0.43, "text": "430 TFLOP/s a GPU, 43 % BF16 MFU"},
-    },
-    "Llama 3 405B, 8K, 16,384 GPUs (Grattafiori et al. 2024)": {
-        "source": _LLAMA + ": tp 8, cp 1, pp 16, dp 128, 8,192 tokens, 400 TFLOP/s, 41 %",
-        "plan": {"model": "llama3-405b", "gpus": 16384, "dp": 128, "tp": 8, "pp": 16, "seq": 8192,
-                 "global_batch": 2048, "system": "h100-sxm", "schedule": "interleaved", "virtual_stages": 4,
-                 "recompute": "none", "zero": 1},
-        "counted": "model", "assumed": "micro-batch 1; 4 chunks a rank (the paper gives no number); no recomputation",
-        "reported": {"tflops_per_gpu": 400, "mfu": 0.41, "text": "400 TFLOP/s a GPU, 41 % BF16 MFU"},
-    },
-    "Llama 3 405B, 128K, 16,384 GPUs (Grattafiori et al. 2024)": {
-        "source": _LLAMA + ": tp 8, cp 16, pp 16, dp 8, 131,072 tokens, 380 TFLOP/s, 38 %",
-        "plan": {"model": "llama3-405b", "gpus": 16384, "dp": 8, "tp": 8, "pp": 16, "cp": 16, "seq": 131072,
-                 "global_batch": 128, "system": "h100-sxm", "schedule": "interleaved", "virtual_stages": 4,
-                 "recompute": "none", "zero": 1},
-        "counted": "model", "assumed": "micro-batch 1; 4 chunks a rank (the paper gives no number); no recomputation",
-        "reported": {"tflops_per_gpu": 380, "mfu": 0.38, "text": "380 TFLOP/s a GPU, 38 % BF16 MFU"},
-    },
+    "Llama 3 405B, 8K, 8,192 GPUs (Grattafiori et al. 2024)": _llama(8192, 64, 1, 8192, 430, 0.43),
+    "Llama 3 405B, 8K, 16,384 GPUs (Grattafiori et al. 2024)": _llama(16384, 128, 1, 8192, 400, 0.41),
+    "Llama 3 405B, 128K, 16,384 GPUs (Grattafiori et al. 2024)": _llama(16384, 8, 16, 131072, 380, 0.38),
 }
 
 

@@ -229,7 +229,8 @@ if os.environ.get("GPUCOURSE_DRYRUN_ALL_WORLDS") == "1":
     PLANNED |= {"fsdp-small": (8, 1, 512, 2, 8, 256), "2d-8b-class": (4, 2, 4096, 32, 32, 2048)}
 
 
-@pytest.mark.parametrize("case", list(PLANNED))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.timeout(2400 if "8b" in c else 300))
+                                  for c in PLANNED])
 def test_the_planner_equals_the_dry_runs_counts(case):
     """Model states and every collective per group (calls and bytes) equal; activations within 10 %."""
     from gpucourse.models import planner

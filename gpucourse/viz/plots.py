@@ -253,7 +253,8 @@ def stacked_bars(ax, labels, parts: dict, *, totals=None, totals_label: str = "f
                 bar.set_alpha(0.5)
         bottom = [b + v for b, v in zip(bottom, values)]
     if totals is not None:
-        ax.plot(labels, totals, "k_", ms=30, mew=2, label=totals_label)
+        ax.plot(labels, totals, "k_", ms=30, mew=2)  # a bar-wide tick...
+        ax.plot([], [], "k_", ms=12, mew=2, label=totals_label)  # ...and a legend sample that fits beside its label
 
 
 def loss_scale_plot(steps: list[dict], label: str = ""):
@@ -267,6 +268,7 @@ def loss_scale_plot(steps: list[dict], label: str = ""):
             "rx", ms=9, mew=2, label="overflow: step skipped, scale halved")
     ax.set(xlabel="step", ylabel="log2(loss scale)", title=f"GradScaler finding its scale: fp16 autocast ({label})")
     ax.set_yticks(range(math.floor(min(log2)), math.ceil(max(log2)) + 1))
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))  # steps are whole: no 2.5
     ax.legend(fontsize=8)
     return fig
 

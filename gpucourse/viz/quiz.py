@@ -6,15 +6,28 @@
 In a notebook it shows as a widget: the options, a "Check" button, and feedback. A wrong pick says so
 and lets you try again; the second wrong pick shows the answer with its explanation. Anywhere else
 (a terminal, a static render of the notebook) it prints the question and options as text; call
-`.check(i)` to answer and `.reveal()` to see the answer.
+`.check(i)` to answer and `.reveal()` to see the answer. Text between backticks is code, as in the chapters'
+Markdown: set in code type in the widget (its options, plain-text labels, lose the backticks).
 """
 from __future__ import annotations
 
 import html
+import re
 import sys
 from dataclasses import dataclass
 
 REVEAL_AFTER = 2  # wrong picks before the answer is shown
+INLINE_CODE = re.compile(r"`([^`]+)`")
+
+
+def inline_html(text: str) -> str:
+    """Text as HTML, escaped, with `code` between backticks set as <code>code</code> (as Markdown does)."""
+    return INLINE_CODE.sub(lambda m: f"<code>{m.group(1)}</code>", html.escape(text))
+
+
+def plain_label(text: str) -> str:
+    """Text for a plain-text label (a radio button's): `code` loses its backticks."""
+    return INLINE_CODE.sub(r"\1", text)
 
 
 @dataclass(frozen=True)
@@ -24,7 +37,7 @@ class Feedback:
 
     def html(self) -> str:
         colour = "#2e7d32" if self.correct else "#c62828"
-        return f"<div style='color:{colour}'>{html.escape(self.text)}</div>"
+        return f"<div style='color:{colour}'>{inline_html(self.text)}</div>"
 
 
 class QuickCheck:
@@ -68,7 +81,7 @@ class QuickCheck:
         """RadioButtons + Check button + feedback, as one ipywidgets VBox."""
         import ipywidgets as w
 
-        choices = w.RadioButtons(options=[(o, i) for i, o in enumerate(self.options)], value=None,
+        choices = w.RadioButtons(options=[(plain_label(o), i) for i, o in enumerate(self.options)], value=None,
                                  layout=w.Layout(width="max-content"))
         button, feedback = w.Button(description="Check", button_style="primary"), w.HTML()
 
@@ -79,7 +92,7 @@ class QuickCheck:
                 feedback.value = self.check(choices.value).html()
 
         button.on_click(on_click)
-        title = w.HTML(f"<b>Quick check:</b> {html.escape(self.question)}")
+        title = w.HTML(f"<b>Quick check:</b> {inline_html(self.question)}")
         return w.VBox([title, choices, button, feedback])
 
     def _repr_mimebundle_(self, include=None, exclude=None):

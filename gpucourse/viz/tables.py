@@ -3,11 +3,20 @@ mid-word, no cell's text cut short), units in the column headers, built from a r
 
     from gpucourse.viz import tables
     tables.bandwidth(rows)                     # chapter 01: time and busbw per op and size
+
+Every table here is a `Table`: a DataFrame that holds the numbers (index it as any DataFrame) and is shown by one
+formatting rule (`cell_texts`, every chapter): whole numbers with thousands separators, plain decimals (never 4.48e+02),
+scientific notation only below 0.001 or from 10^15 on, a dash where there is no value, headers that do not break
+inside their units.
 """
 from __future__ import annotations
 
+import inspect
 import math
+import numbers
+import re
 
+import numpy as np
 import pandas as pd
 
 from ..models import costs, training
@@ -18,21 +27,113 @@ from ..run.procs import last_words
 # A chapter's table shows each cell whole (pandas cuts text at 50 characters by default); HTML wraps it.
 pd.set_option("display.max_colwidth", None)
 
+NO_VALUE = "—"  # a cell with nothing in it (None, NaN): a dash, not "NaN" or "None"
 
-BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+def _is_missing(v) -> bool:
+    return v is None or v is pd.NA or v is pd.NaT or (isinstance(v, float) and math.isnan(v))
 
 
-def frame(rows: list[dict], index: str | None = None, *, bytes_columns=()) -> pd.DataFrame:
+def _decimals(v: float) -> int:
+    """The fewest decimals that show v as it is, at most six significant digits."""
+    most = max(0, 5 - math.floor(math.log10(abs(v))))
+    return next((d for d in range(most) if abs(round(v, d) - v) <= 1e-9 * abs(v)), most)
+
+
+def cell_texts(values) -> list[str]:
+    """The course's one formatting rule, for one column (or index level) of a table: integers with thousands
+    separators; floats with the decimals they need (six significant digits at most; the column's values aligned
+    up to three decimals: 1.00 beside 1.27), in scientific notation only when tiny (< 0.001) or huge (>= 10^15);
+    None and NaN as a dash; anything else (text, booleans, lists) as it is."""
+    values = list(values)
+    plain = [float(v) for v in values if isinstance(v, (float, np.floating)) and not _is_missing(v)
+             and 1e-3 <= abs(v) < 1e15]
+    column = min(3, max((_decimals(v) for v in plain), default=0))  # aligned up to 3 decimals; more where needed
+
+    def text(v) -> str:
+        if _is_missing(v):
+            return NO_VALUE
+        if isinstance(v, (bool, np.bool_)):
+            return str(bool(v))
+        if isinstance(v, numbers.Integral):
+            return f"{int(v):,}"
+        if isinstance(v, (float, np.floating)):
+            v = float(v)
+            if math.isinf(v) or v == 0:
+                return str(v) if math.isinf(v) else "0"
+            if not 1e-3 <= abs(v) < 1e15:
+                return f"{v:.2e}"
+            return f"{v:,.{max(column, _decimals(v))}f}"
+        return str(v)
+
+    return [text(v) for v in values]
+
+
+def _header(label) -> str:
+    """A header that breaks between words but never inside its unit: "kept (× none)", "80 GB" stay whole."""
+    text = re.sub(r"\([^()]*\)", lambda m: m.group(0).replace(" ", "\u00a0"), str(label))
+    return re.sub(r"(\d) (?=[A-Za-zµ%×])", "\\1\u00a0", text)
+
+
+def _index_texts(index: pd.Index) -> pd.Index:
+    if isinstance(index, pd.MultiIndex):
+        levels = [cell_texts(index.get_level_values(i)) for i in range(index.nlevels)]
+        return pd.MultiIndex.from_arrays(levels, names=[_header(n) if n is not None else None for n in index.names])
+    return pd.Index(cell_texts(index), name=_header(index.name) if index.name is not None else None)
+
+
+class Table(pd.DataFrame):
+    """A DataFrame shown by the course's formatting rule (`cell_texts`); its values stay numbers."""
+
+    @property
+    def _constructor(self):
+        return Table
+
+    def shown(self) -> pd.DataFrame:
+        """The table as it is shown: every cell formatted as text, headers that do not break inside units."""
+        out = pd.DataFrame({i: cell_texts(self.iloc[:, i]) for i in range(self.shape[1])}, dtype=object)
+        out.index = _index_texts(self.index)
+        if isinstance(self.columns, pd.MultiIndex):
+            out.columns = pd.MultiIndex.from_tuples([tuple(_header(x) for x in c) for c in self.columns],
+                                                    names=self.columns.names)
+        else:
+            out.columns = pd.Index([_header(c) for c in self.columns], name=self.columns.name)
+        return out
+
+    def _repr_html_(self):
+        return self.shown()._repr_html_()
+
+    def __repr__(self) -> str:
+        return repr(self.shown())
+
+
+BINARY_UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB")  # "bytes", never "B": "405B" is billions of parameters
+DECIMAL_UNITS = ("bytes", "kB", "MB", "GB", "TB")
+
+
+def _byte_unit(column: pd.Series, base: int) -> int:
+    """The power of `base` a column of byte counts is shown in: the largest unit its largest value reaches, and
+    no larger than one in which its smallest non-zero value still reads 0.1 or more (4 bytes never "0.00 MiB")."""
+    sizes = column.abs()
+    largest, smallest = (sizes.max(), sizes[sizes > 0].min()) if (sizes > 0).any() else (0, 0)
+    power = 0
+    while (power < len(BINARY_UNITS) - 1 and largest >= base ** (power + 1)
+           and smallest >= 0.1 * base ** (power + 1)):
+        power += 1
+    return power
+
+
+def frame(rows: list[dict], index: str | None = None, *, bytes_columns=(), decimal=False) -> pd.DataFrame:
     """A DataFrame of rows (dicts), indexed by the column `index` if given; each of `bytes_columns` (counts of
-    bytes) shown in one binary unit for the whole column, named in its header: "sent" -> "sent (MiB)"."""
+    bytes) shown in one unit for the whole column (binary, or with decimal=True powers of 1000: kB, MB, GB),
+    named in its header: "sent" -> "sent (MiB)"; a unit small enough that no non-zero count reads as zero."""
     df = pd.DataFrame(rows)
+    base, units = (1000, DECIMAL_UNITS) if decimal else (1024, BINARY_UNITS)
     for column in bytes_columns:
-        largest = df[column].abs().max() if len(df) else 0
-        power = 0
-        while power < len(BINARY_UNITS) - 1 and largest >= 1024 ** (power + 1):
-            power += 1
-        df[column] = (df[column] / 1024**power).round(2 if power else 0)
-        df = df.rename(columns={column: f"{column} ({BINARY_UNITS[power]})"})
+        power = _byte_unit(df[column], base) if len(df) else 0
+        df[column] = (df[column] / base**power).round(2) if power else df[column]
+        if not (power == 0 and column.endswith("bytes")):  # a "bytes" column counted in bytes needs no unit
+            df = df.rename(columns={column: f"{column} ({units[power]})"})
     return df.set_index(index) if index else df
 
 
@@ -349,7 +450,7 @@ STATE_PARTS = ("parameters", "gradients", "master weights", "optimizer states")
 def recipe_bytes(optimizer: str = "adamw") -> pd.DataFrame:
     """Bytes per parameter of each model state under each precision recipe (costs.recipe_bytes_per_param); the
     recipes a CPU run cannot hold (fp8) marked modelled."""
-    rows = [{"recipe": r, **{f"{k} (B/param)": v for k, v in costs.recipe_bytes_per_param(r, optimizer).items()},
+    rows = [{"recipe": r, **{f"{k} (bytes/param)": v for k, v in costs.recipe_bytes_per_param(r, optimizer).items()},
              "source": "measured below" if r in costs.MEASURED_RECIPES else "MODELLED"} for r in costs.RECIPES]
     return pd.DataFrame(rows).set_index("recipe")
 
@@ -364,14 +465,14 @@ def recipe_states(recipes: dict, optimizer: str = "adamw") -> pd.DataFrame:
         numel, formula = rec["num_params"], costs.recipe_bytes_per_param(name, optimizer)
         measured = {part: rec[part.replace(" ", "_")] / numel for part in STATE_PARTS}
         row = {"recipe": name, "dtype": rec["dtype"], "states dtype": rec["state_dtype"],
-               **{f"{part} (B/param)": v for part, v in measured.items()},
+               **{f"{part} (bytes/param)": v for part, v in measured.items()},
                "= formula": all(measured[p] == formula[p] for p in STATE_PARTS),
-               "step counters (B)": rec["step_counters"],
+               "step counters (bytes)": rec["step_counters"],
                "= 4 B per tensor": rec["step_counters"] == 4 * rec["num_tensors"],
-               "16-bit weight copies kept (B/param)": round(rec.get("weight_copies", 0) / numel, 2)}
+               "16-bit weight copies kept (bytes/param)": round(rec.get("weight_copies", 0) / numel, 2)}
         if rec.get("cuda_peak") is not None:
-            row |= {"CUDA peak (B/param)": round(rec["cuda_peak"] / numel, 2),
-                    "CUDA held after the step (B/param)": round(rec["cuda_held"] / numel, 2)}
+            row |= {"CUDA peak (bytes/param)": round(rec["cuda_peak"] / numel, 2),
+                    "CUDA held after the step (bytes/param)": round(rec["cuda_held"] / numel, 2)}
         rows.append(row)
     return pd.DataFrame(rows).set_index("recipe")
 
@@ -441,7 +542,7 @@ def activations_kept(kept: dict, fused: dict, expected: dict, modes=("none", "se
     whether every mode's count equals `expected` ({(seq, mode): bytes}). kept: {(seq, mode): bytes};
     fused: {seq: bytes with a fused attention kernel}."""
     seqs = sorted({s for s, _ in kept})
-    rows = [{"s": s, **{f"{m} (B)": kept[s, m] for m in modes}, "fused attention (B)": fused.get(s),
+    rows = [{"s": s, **{f"{m} (bytes)": kept[s, m] for m in modes}, "fused attention (bytes)": fused.get(s),
              "= formula": all(kept[s, m] == expected[s, m] for m in modes)} for s in seqs]
     return pd.DataFrame(rows).set_index("s")
 
@@ -449,7 +550,7 @@ def activations_kept(kept: dict, fused: dict, expected: dict, modes=("none", "se
 def recomputation(kept: dict, flops: dict, expected_flops: dict, times: dict,
                   modes=("none", "selective", "full")) -> pd.DataFrame:
     """Each mode's trade at each sequence length, relative to no recomputation (modes[0]): bytes kept, FLOPs run
-    (and whether they equal `expected_flops`), step time (median of `times`, with its min and max). A mode in
+    (and whether they equal `expected_flops`), step time (the median of `times`, with their min and max). A mode in
     `times` but not in `kept` (a control) gets its time only. All dicts keyed (seq, mode); times in seconds."""
     import statistics
 
@@ -463,7 +564,7 @@ def recomputation(kept: dict, flops: dict, expected_flops: dict, times: dict,
                      "kept (× none)": round(kept[s, m] / kept[s, base], 3) if measured else None,
                      "FLOPs run (× none)": round(flops[s, m] / flops[s, base], 2) if measured else None,
                      "FLOPs = formula": flops[s, m] == expected_flops[s, m] if measured else None,
-                     "step (ms)": round(1e3 * median, 1), "min (ms)": round(1e3 * min(t), 1),
+                     "median step (ms)": round(1e3 * median, 1), "min (ms)": round(1e3 * min(t), 1),
                      "max (ms)": round(1e3 * max(t), 1),
                      "time (× none)": round(median / statistics.median(times[s, base]), 2)})
     return pd.DataFrame(rows).set_index(["s", "mode"])
@@ -639,7 +740,7 @@ def ddp_modes(res) -> pd.DataFrame:
     for title, mode in (("compute alone (no-ddp)", "no-ddp"), ("DDP (overlap)", "ddp"),
                         ("DDP without overlap", "no-overlap")):
         ms, (lo, hi) = ddpsteps.step_ms(res, mode), ddpsteps.spread(res, mode)
-        rows.append({"mode": title, "step (ms)": ms, "p10 (ms)": lo, "p90 (ms)": hi,
+        rows.append({"mode": title, "median step (ms)": ms, "p10 (ms)": lo, "p90 (ms)": hi,
                      "comm adds (ms)": ms - alone if mode != "no-ddp" else None,
                      "comm adds (%)": 100 * (ms - alone) / alone if mode != "no-ddp" else None})
     return pd.DataFrame(rows).set_index("mode").round(1)
@@ -657,7 +758,8 @@ def bucket_runs(variants: dict, analyses: dict) -> pd.DataFrame:
         trace = analyses[title].table()
         mean = {k: sum(r[k] for r in trace) / len(trace) for k in ("compute_ms", "comm_ms", "exposed_comm_ms")}
         rows.append({"run": title, "buckets": len(ddpsteps.info(res)["buckets"]),
-                     "step (ms)": ddpsteps.step_ms(res, mode), "compute alone (ms)": ddpsteps.step_ms(res, "no-ddp"),
+                     "median step (ms)": ddpsteps.step_ms(res, mode),
+                     "compute alone (ms)": ddpsteps.step_ms(res, "no-ddp"),
                      "traced compute (ms)": mean["compute_ms"], "all-reduce (ms)": mean["comm_ms"],
                      "exposed (ms)": mean["exposed_comm_ms"],
                      "hidden (%)": 100 * (1 - mean["exposed_comm_ms"] / mean["comm_ms"]) if mean["comm_ms"] else None})
@@ -720,7 +822,7 @@ def step_predictions(variants: dict, *, overlap_cost: float, fit, load: dict) ->
     return df
 
 
-def prediction_misses(variants: dict, errors: dict[str, float], *, load: dict, cores: int, goal: float):
+def prediction_misses(variants: dict, errors: dict[str, float], *, load: dict, cores: int, goal: float) -> pd.DataFrame:
     """One row per configuration: the highest load average around its launch, how much its compute alone varied
     (p10–p90 width over the median, %), the prediction's error (%), and what the run measured that explains a
     miss beyond `goal` (ddpsteps.why_missed; blank where it met the goal). errors: {title: fraction}."""
@@ -1029,18 +1131,19 @@ def _group_text(group: list) -> str:
 
 def dryrun_memory(report: dict, device_bytes: float = 80e9) -> pd.DataFrame:
     """One row per simulated rank of a dry run (gpucourse.dryrun, each rank's "predicted" filled by
-    costs.dryrun_step_time): the memory peak and its parts (MiB, counted in the dry run), the peak's share of
-    `device_bytes`, the FLOPs counted, and the step time and MFU modelled on the named system."""
+    costs.dryrun_step_time): the memory peak and its parts (counted in the dry run, in decimal units as the
+    device's "80 GB" is), the peak's share of `device_bytes`, the FLOPs counted, and the step time and MFU modelled
+    on the named system."""
     rows = []
     for r in report["ranks"]:
         p = r.get("predicted") or {}
-        rows.append({"rank": r["rank"], **{f"{k} (MiB)": round(v / 2**20, 3) for k, v in r["memory"].items()},
-                     "peak (MiB)": round(r["peak_bytes"] / 2**20, 3),
+        rows.append({"rank": r["rank"], **r["memory"], "peak": r["peak_bytes"],
                      f"peak / {device_bytes / 1e9:.0f} GB (%)": round(100 * r["peak_bytes"] / device_bytes, 6),
                      "FLOPs counted": r["flops"],
                      "step, modelled (ms)": round(p["step_s"] * 1e3, 3) if p else None,
                      "MFU, modelled (%)": round(100 * p["mfu"], 4) if p and p["mfu"] is not None else None})
-    return pd.DataFrame(rows).set_index("rank")
+    parts = [*report["ranks"][0]["memory"], "peak"] if report["ranks"] else []
+    return frame(rows, "rank", bytes_columns=parts, decimal=True)
 
 
 def dryrun_comms(report: dict) -> pd.DataFrame:
@@ -1147,3 +1250,23 @@ def reshard(reference: list[dict], resumed: dict[str, list[dict]], save_at: int)
                      "steps with the same sample ids": sum(r["ids"] == ref[s]["ids"] for s, r in steps.items()),
                      "samples repeated": repeated, "samples skipped": skipped})
     return pd.DataFrame(rows).set_index("resumed as")
+
+
+# --- one formatting rule for every chapter: each function above that returns a DataFrame returns a Table -------------
+def _as_table(build):
+    def table(*args, **kwargs) -> Table:
+        df = build(*args, **kwargs)
+        out = Table(df)
+        out.attrs = df.attrs  # what a table carries beside its cells (step_predictions' errors)
+        return out
+
+    table.__name__, table.__qualname__, table.__doc__, table.__wrapped__ = build.__name__, build.__qualname__, \
+        build.__doc__, build
+    table.__signature__ = inspect.signature(build)
+    return table
+
+
+for _name, _build in list(globals().items()):
+    if inspect.isfunction(_build) and _build.__module__ == __name__ and \
+            _build.__annotations__.get("return") == "pd.DataFrame":
+        globals()[_name] = _as_table(_build)

@@ -385,7 +385,7 @@ def test_widgets_show_the_values_they_were_given(lab, browser):
                                        "scaling_simulator({'compute_s': 0.0088, 'grad_bytes': 4 * 7.5e9,\n"
                                        "                   'alpha': 3e-4, 'beta': 2e-9, 'bucket_mb': 3.3})"),
                 nbformat.v4.new_code_cell("from gpucourse.viz.quiz import QuickCheck\n"
-                                       "QuickCheck('Which option?', ['this one', 'that one'], 1, 'ANSWER-TEXT')",
+                                       "QuickCheck('Which option? `code`', ['this one', 'that one'], 1, 'ANSWER-TEXT')",
                                        metadata={"jupyter": {"source_hidden": True}})]  # as the chapters store it
     write_notebook(lab, "widgets.ipynb", cells)
     page = open_notebook(browser, lab, "widgets.ipynb")
@@ -407,6 +407,7 @@ def test_widgets_show_the_values_they_were_given(lab, browser):
     scroll_to(quiz)
     save_shot(page, "quiz-unanswered")
     assert "Which option?" in quiz.inner_text() and "ANSWER-TEXT" not in quiz.inner_text()  # not before answering
+    assert quiz.locator("code").inner_text() == "code" and "`" not in quiz.inner_text()  # inline code, as Markdown
 
 
 # JS: for each <select> in the element, the widest option's text (canvas measureText in the select's own

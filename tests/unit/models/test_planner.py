@@ -185,7 +185,8 @@ def test_dry_run_tables_show_counts_per_rank_and_group():
                        "bytes": 3 * 2**20}],
             "predicted": {"step_s": 0.01, "mfu": 0.001}}
     mem = tables.dryrun_memory({"ranks": [rank]})
-    assert mem.loc[1023, "peak (MiB)"] == 3 and mem.loc[1023, "step, modelled (ms)"] == 10
+    assert mem.loc[1023, "peak (MB)"] == round(3 * 2**20 / 1e6, 2) and mem.loc[1023, "step, modelled (ms)"] == 10
+    assert mem.loc[1023, "grads (bytes)"] == 0 and "peak / 80 GB (%)" in mem  # decimal units, as the device's GB
     comms = tables.dryrun_comms({"ranks": [rank]})
     assert list(comms["group"]) == ["[1020, 1021, 1022, 1023]", "[3, 7, …, 1023]"]
     assert list(comms["bytes (MiB)"]) == [6, 3]

@@ -148,7 +148,9 @@ def test_stacked_bars_stack_each_part_on_the_last_and_mark_the_modelled():
     assert [(b.get_y(), b.get_height()) for b in bars] == [(0, 1.0), (0, 2.0), (1.0, 3.0), (2.0, 4.0)]
     assert [bool(b.get_hatch()) for b in bars] == [False, True, False, True]  # only b is modelled
     assert list(ax.lines[0].get_ydata()) == [4.0, 7.0]
-    assert [t.get_text() for t in ax.legend().get_texts()] == ["formula", "x", "y"]
+    legend = ax.legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["formula", "x", "y"]
+    assert legend.legend_handles[0].get_markersize() < 2 * legend._fontsize  # the sample fits its handle's room
 
 
 def test_loss_scale_plot_marks_each_skipped_step_at_its_scale():
@@ -159,6 +161,9 @@ def test_loss_scale_plot_marks_each_skipped_step_at_its_scale():
     assert list(used.get_ydata()) == [28, 27, 26] and list(skipped.get_xdata()) == [0, 1]
     assert list(skipped.get_ydata()) == [28, 27] and "cpu, gloo, 1 rank" in ax.get_title()
     assert list(ax.get_yticks()) == [26, 27, 28]
+    many = [{"scaler_step": i, "scale": 2.0**20, "overflow": False} for i in range(18)]
+    ticks = plots.loss_scale_plot(many).axes[0].get_xticks()
+    assert len(ticks) > 2 and all(float(x).is_integer() for x in ticks)  # whole steps: no 2.5
 
 
 def test_recomputation_plot_is_relative_to_the_first_mode():

@@ -71,3 +71,13 @@ def test_widget_checks_the_selected_option(monkeypatch):
     assert "Correct" in feedback.value
     monkeypatch.setattr(quiz, "_in_kernel", lambda: True)
     assert "application/vnd.jupyter.widget-view+json" in q._repr_mimebundle_()
+
+
+def test_inline_code_shows_as_code_not_backticks():
+    q = QuickCheck("What does `if not grads: continue` do?", ["`x < y`", "no"], 0, "see `dist.all_reduce`")
+    title, choices, _, feedback = q.widget().children
+    assert "<code>if not grads: continue</code>" in title.value and "`" not in title.value
+    assert choices.options[0][0] == "x < y"  # a plain-text label: the backticks dropped
+    assert "<code>dist.all_reduce</code>" in q.check(0).html() and "`" not in q.check(0).html()
+    assert "<code>x &lt; y</code>" in QuickCheck("`x < y`?", ["a", "b"], 0, "e").widget().children[0].value
+    assert "`if not grads: continue`" in q.text()  # text mode keeps Markdown's backticks

@@ -12,9 +12,40 @@ def test_frame_shows_each_bytes_column_in_one_unit_named_in_its_header():
     df = tables.frame([{"way": "ring", "sent": 3 * 2**20, "kept": 512}, {"way": "all_gather", "sent": 2**19,
                                                                          "kept": 100}],
                       index="way", bytes_columns=("sent", "kept"))
-    assert list(df.columns) == ["sent (MiB)", "kept (B)"]
+    assert list(df.columns) == ["sent (MiB)", "kept (bytes)"]
     assert df.loc["ring", "sent (MiB)"] == 3.0 and df.loc["all_gather", "sent (MiB)"] == 0.5
-    assert df.loc["ring", "kept (B)"] == 512
+    assert df.loc["ring", "kept (bytes)"] == 512
+
+
+def test_cell_texts_is_one_rule_for_numbers_and_empty_cells():
+    assert tables.cell_texts([1314816, 12845056, 3]) == ["1,314,816", "12,845,056", "3"]
+    assert tables.cell_texts([448.0, 57344.0]) == ["448", "57,344"]  # never 4.480000e+02
+    assert tables.cell_texts([1.0, 1.27, 0.5]) == ["1.00", "1.27", "0.50"]  # a column aligned
+    assert tables.cell_texts([0.3916, 12.5]) == ["0.3916", "12.500"]
+    assert tables.cell_texts([6.103515625e-05, 3.3895313892515355e38, 0.0]) == ["6.10e-05", "3.39e+38", "0"]
+    assert tables.cell_texts([None, float("nan"), pd.NA, "text", True]) == ["—", "—", "—", "text", "True"]
+
+
+def test_every_table_shows_by_the_rule_and_keeps_its_numbers():
+    df = tables.recomputation({(8, "none"): 1000}, {(8, "none"): 100}, {(8, "none"): 100},
+                              {(8, "none"): [0.01] * 3, (8, "control"): [0.02] * 3})
+    assert isinstance(df, tables.Table) and math.isnan(df.loc[(8, "control"), "kept (× none)"])  # numbers kept
+    html = df._repr_html_()
+    assert "NaN" not in html and "None" not in html and "<td>—</td>" in html
+    assert "kept (×\u00a0none)" in html and "median step\u00a0(ms)" not in html  # no break inside a unit
+    assert "<table" in html and isinstance(df.round(1), tables.Table)
+    plain = [name for name, f in vars(tables).items() if callable(f) and getattr(f, "__wrapped__", None)
+             and not name.startswith("_")]
+    assert len(plain) > 60 and "diagnoses" in plain and "frame" in plain  # every chapter's tables
+
+
+def test_a_bytes_column_never_reads_zero_for_a_few_bytes():
+    df = tables.frame([{"op": "all_reduce", "sent": 4}, {"op": "all_gather", "sent": 12845056}], index="op",
+                      bytes_columns=["sent"])
+    assert list(df.columns) == ["sent (bytes)"] and df.loc["all_reduce", "sent (bytes)"] == 4
+    assert "12,845,056" in df._repr_html_()
+    big = tables.frame([{"x": 3 * 10**9}, {"x": 10**8}], bytes_columns=["x"], decimal=True)
+    assert list(big["x (GB)"]) == [3.0, 0.1]
 
 
 def test_backend_support_says_what_ran_failed_or_was_not_tried():
@@ -277,15 +308,15 @@ def _recipe_record(name, numel=100, **over):
 
 def test_recipe_tables_flag_a_part_off_its_formula_and_mark_fp8_modelled():
     assert tables.recipe_bytes().loc["fp8", "source"] == "MODELLED"
-    assert tables.recipe_bytes().loc["mixed", "total (B/param)"] == 16
+    assert tables.recipe_bytes().loc["mixed", "total (bytes/param)"] == 16
     df = tables.recipe_states({"fp32": _recipe_record("fp32"), "bf16": _recipe_record("bf16", gradients=400),
                                "mixed": _recipe_record("mixed", step_counters=12)})
     assert df["= formula"].tolist() == [True, False, True]
     assert df["= 4 B per tensor"].tolist() == [True, True, False]
-    assert df.loc["bf16", "gradients (B/param)"] == 4 and df.loc["fp32", "16-bit weight copies kept (B/param)"] == 1.5
-    assert "CUDA peak (B/param)" not in df  # no GPU: no column pretending to a measurement
+    assert df.loc["bf16", "gradients (bytes/param)"] == 4 and df.loc["fp32", "16-bit weight copies kept (bytes/param)"] == 1.5
+    assert "CUDA peak (bytes/param)" not in df  # no GPU: no column pretending to a measurement
     gpu = tables.recipe_states({"fp32": _recipe_record("fp32", cuda_peak=2000, cuda_held=1600)})
-    assert gpu.loc["fp32", "CUDA peak (B/param)"] == 20
+    assert gpu.loc["fp32", "CUDA peak (bytes/param)"] == 20
 
 
 def test_loss_scale_steps_and_faults():
@@ -322,7 +353,7 @@ def test_cast_errors_counts_zeros_and_can_leave_an_outlier_out():
 def test_activation_and_recomputation_tables():
     kept = {(8, "none"): 1000, (8, "selective"): 400, (8, "full"): 100}
     df = tables.activations_kept(kept, {8: 300}, kept | {(8, "full"): 99})
-    assert df.loc[8, "selective (B)"] == 400 and not df.loc[8, "= formula"]
+    assert df.loc[8, "selective (bytes)"] == 400 and not df.loc[8, "= formula"]
     flops = {(8, "none"): 100, (8, "selective"): 110, (8, "full"): 150}
     times = {(8, "none"): [0.010, 0.012, 0.011], (8, "selective"): [0.022] * 3, (8, "full"): [0.014] * 3,
              (8, "control"): [0.033] * 3}
@@ -330,7 +361,7 @@ def test_activation_and_recomputation_tables():
     assert rec.index.tolist() == [(8, "none"), (8, "selective"), (8, "full"), (8, "control")]
     assert rec.loc[(8, "selective"), "kept (× none)"] == 0.4 and rec.loc[(8, "full"), "FLOPs run (× none)"] == 1.5
     assert rec.loc[(8, "none"), "FLOPs = formula"] and not rec.loc[(8, "full"), "FLOPs = formula"]
-    assert rec.loc[(8, "selective"), "time (× none)"] == 2.0 and rec.loc[(8, "none"), "step (ms)"] == 11.0
+    assert rec.loc[(8, "selective"), "time (× none)"] == 2.0 and rec.loc[(8, "none"), "median step (ms)"] == 11.0
     assert rec.loc[(8, "control"), "time (× none)"] == 3.0 and math.isnan(rec.loc[(8, "control"), "kept (× none)"])
 
 
@@ -445,7 +476,7 @@ def test_ddp_modes_give_what_communication_adds_to_compute_alone():
     from tests.unit.models.test_ddpsteps import fake_run
 
     df = tables.ddp_modes(fake_run())
-    assert df.loc["compute alone (no-ddp)", "step (ms)"] == 12.0
+    assert df.loc["compute alone (no-ddp)", "median step (ms)"] == 12.0
     assert df.loc["DDP (overlap)", "comm adds (ms)"] == 3.0 and df.loc["DDP (overlap)", "comm adds (%)"] == 25.0
     assert df.loc["DDP without overlap", "comm adds (ms)"] == 9.0
     assert math.isnan(df.loc["compute alone (no-ddp)", "comm adds (ms)"])

@@ -212,8 +212,10 @@ class StepCounter:
     def __init__(self, path: str, rank: int, world_size: int, dry: bool):
         import torch
         from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.distributed._tools.mod_tracker import ModTracker
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_map
         from torch.utils.flop_counter import FlopCounterMode
 
         from . import comm_recorder
@@ -247,8 +249,24 @@ class StepCounter:
                     counter.flops += formula(*args, **kwargs, out_val=out)
                 return out
 
+        class LeafSafeModTracker(ModTracker):
+            """ModTracker that puts no multi-grad hook on a module's leaf inputs. torch 2.13: such a hook raises
+            ("A leaf node was passed to _will_engine_execute_node ...") when backward runs as autograd.grad, which
+            is how a pipeline stage (torch.distributed.pipelining) computes its received activation's gradient:
+            Linear(4, 4) on a leaf x needing its gradient, under ModTracker, then autograd.grad(y, [x]) raises.
+            A module whose only grad-needing inputs are leaves is then marked done at the end of backward, as
+            ModTracker does for a module with no grad-needing input (scripts/13_gpt_3d.py's later stages)."""
+
+            def _fw_pre_hook(self, mod, input):
+                leaf = lambda a: isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf  # noqa: E731
+                super()._fw_pre_hook(mod, tree_map(lambda a: a.detach() if leaf(a) else a, input))
+
         class StepMemory(MemTracker):
             """MemTracker over many steps: a module's second forward starts its stats afresh instead of raising."""
+
+            def __init__(self):
+                super().__init__()
+                self._mod_tracker = LeafSafeModTracker()
 
             def _pre_fw_hook(self, module, inputs):
                 if module in self.memory_tracking and not self._mod_tracker.is_bw:

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 8 scripts/13_gpt_3d.py --pp 2 --dp 2 --tp 2      # 8 ranks, float64, checked
     python scripts/13_gpt_3d.py                                                  # 1 rank: pp = dp = tp = 1
+    gpucourse dryrun scripts/13_gpt_3d.py --world 8 --fake-tensors -- --pp 2 --dp 2 --tp 2   # ranks 0 and 7, no peers
 
 The mesh (init_device_mesh) has three named dimensions, ("pp", "dp", "tp"), tp innermost. A rank's number is
 pp_rank * dp * tp + dp_rank * tp + tp_rank, so the tp ranks of a group are neighbours (ranks 0-1, 2-3, ...) and the
@@ -47,6 +48,15 @@ What did not compose as-is on CPU/gloo in float64, and what is done instead (eac
     output is cut into sequence slices by DTensor (PrepareModuleOutput Replicate -> Shard(1)), so that backward
     all-gathers the slices' gradients and every tp rank computes the tables' whole gradient. (The capstone adds a
     learned position table; a row-parallel token embedding would need the position one cut the same way.)
+  - each PipelineStage is given its shapes (input_args, output_args: stage_shapes) instead of finding them at the
+    first step, where the stages run a forward and backward and send each other the shapes: under a dry run's fake
+    process group nothing arrives. Then the schedule's opening vote (does every stage know its shapes?) is still
+    sent and read with .item(): gpucourse's dry run lets each stage vote alone (run/dryrun.py, prepare_fake_group).
+  - counting the run ($GPUCOURSE_COUNT_FILE: gpucourse's step counter, torch's MemTracker inside) made the later
+    stages fail: MemTracker's module tracker hooks every module input that needs a gradient, and torch 2.13 refuses
+    such a hook on a leaf inside autograd.grad, which is how a stage computes its received activation's gradient
+    (smallest reproduction: Linear(4, 4) on a leaf x under ModTracker, then torch.autograd.grad(y, [x])). The
+    counter's tracker now leaves leaf inputs alone (run/dryrun.py, LeafSafeModTracker).
 
 The model is chapter 09's (scripts/09_gpt_2d.py), copied because chapter scripts stand alone: the same blocks and
 initialisation, with the blocks in a ModuleDict and the embeddings in a module of their own so that a stage can
@@ -231,6 +241,21 @@ def apply_tp(part: GPT, tp_mesh) -> None:
         })
 
 
+def stage_shapes(args, stage: int, vocab: int, dtype, device) -> dict:
+    """What stage `stage` receives and sends for one micro-batch, given to PipelineStage up front (its input_args,
+    output_args): a tp rank's slice of the sequence between stages, token ids into the first, whole logits out of the
+    last. Without them the stages find the shapes at their first step by running a forward and backward and
+    sending the shapes to each other: in a dry run (gpucourse dryrun: a fake process group) nothing arrives, and
+    the next stage would read garbage."""
+    micro = args.batch // args.dp // args.micro
+    # requires_grad: the stages read from these whether a gradient flows back through them (else none is sent)
+    between = torch.empty(micro, args.context // args.tp, args.d_model, dtype=dtype, device=device, requires_grad=True)
+    inputs = torch.zeros(micro, args.context, dtype=torch.long, device=device) if stage == 0 else between
+    outputs = (torch.empty(micro, args.context, vocab, dtype=dtype, device=device, requires_grad=True)
+               if stage == args.pp - 1 else between)
+    return {"input_args": (inputs,), "output_args": (outputs,)}
+
+
 # --- 3. FSDP2 over dp ------------------------------------------------------------------------------------
 def apply_fsdp(part: GPT, dp_mesh) -> None:
     from torch.distributed.fsdp import fully_shard
@@ -313,14 +338,18 @@ def main(argv=None) -> None:
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     first, last = pp_rank == 0, pp_rank == args.pp - 1
     data = CharData(args.data)
-    model = GPT(data.vocab_size, args.context, args.d_model, args.heads, args.layers).to(ctx.device, dtype)
+    # Built in its dtype (the default dtype while it is made), not converted after: a dry run with fake tensors
+    # cannot convert a module its FakeTensorMode made (torch 2.13: module.to(float64) on fake parameters fails).
+    torch.set_default_dtype(dtype)
+    model = GPT(data.vocab_size, args.context, args.d_model, args.heads, args.layers).to(ctx.device)
     n_params = sum(p.numel() for p in model.parameters())
     reference = copy.deepcopy(model) if check else None
     part = stage_part(model, pp_rank, args.pp)  # 1. pipeline split
     del model
     apply_tp(part, mesh["tp"])  # 2. TP + SP
     apply_fsdp(part, mesh["dp"])  # 3. FSDP2
-    stage = PipelineStage(part, pp_rank, args.pp, ctx.device, group=mesh["pp"].get_group())
+    stage = PipelineStage(part, pp_rank, args.pp, ctx.device, group=mesh["pp"].get_group(),
+                          **stage_shapes(args, pp_rank, data.vocab_size, dtype, ctx.device))
     schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.micro, loss_fn=loss_fn)  # 4. the schedule
     opt = torch.optim.AdamW(part.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0, foreach=False) if check else None

@@ -152,6 +152,39 @@ def prepare_fake_tensors() -> None:
     FakeTensor.__str__ = no_value
 
 
+def prepare_fake_group() -> None:
+    """Make torch fit for a rank whose process group is fake (any dry run): called by runtime.setup(); idempotent.
+
+    torch.distributed.pipelining's schedules (2.13) start with a vote between the stages: each sends the next one,
+    then the previous one, an int saying whether every stage was given its shapes (PipelineStage's input_args and
+    output_args), read with `.item()`. Under the fake group nothing arrives (the zeros of the receive buffer: "no",
+    and the stages then send each other their shapes, which do not arrive either: the next stage allocates garbage
+    sizes), and under fake tensors there is no value to read at all. In a dry run each stage decides alone: the
+    shapes it was given (STATIC), or a clear error, since a dry run cannot find them by sending them.
+    """
+    try:
+        from torch.distributed.pipelining import PipelineStage, schedules
+        from torch.distributed.pipelining._utils import InferenceMode
+    except ImportError:  # another torch: nothing to prepare
+        return
+    base = schedules._PipelineSchedule
+    original = getattr(base, "_warmup_p2p", None)
+    if original is None or getattr(original, "_gpucourse_dry", False):
+        return
+
+    def warmup_p2p(self, stages, has_backward, p2p_done):
+        if not all(isinstance(stage, PipelineStage) for stage in stages):
+            return original(self, stages, has_backward, p2p_done)
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(f"pipeline stage {stage.stage_index}: a dry run needs its shapes up front: give "
+                                   "PipelineStage input_args and output_args (the stages cannot send them)")
+            stage._inference_mode = InferenceMode.STATIC
+
+    warmup_p2p._gpucourse_dry = True
+    base._warmup_p2p = warmup_p2p
+
+
 def enter_fake_tensors():
     """runtime.setup()'s hook in a --fake-tensors dry run: from here on every tensor the rank makes is a FakeTensor
     (shape, dtype, device; no storage). Real tensors made before (module-level constants) mix in as fakes."""

@@ -4,6 +4,7 @@ computes what one process computes, and communicates what the formulas say, per 
 One launch, shared by every test here, with the course's counter on ($GPUCOURSE_COUNT_FILE: each rank's
 collectives and point-to-point calls of the last step, by op and process group). The script itself trains the
 one-process model beside the 3-D one and compares every step's loss and every gradient (its own shard of it).
+Then a fake-tensor dry run of its first and last ranks, held to the same counts.
 """
 import importlib.util
 import json
@@ -134,3 +135,18 @@ def test_fsdp_gathers_and_reduces_each_unit_once_a_step_over_dp(counts):
         got = {op: v[0] for (op, g), v in counts[rank].items() if g == group}
         assert got == {"all_gather_single": units, "reduce_scatter_single": units,
                        **({"all_reduce": 1} if pp == PP - 1 else {})}, (rank, got)
+
+
+def test_a_fake_tensor_dry_run_counts_what_the_real_run_does(run):
+    """gpucourse dryrun, --fake-tensors, the first and the last rank (first and last stage) of the same world and
+    sizes: the same calls and bytes per process group, the same model states as the gloo run counted. (FLOPs are
+    not compared: the real run also trains the one-process model; a dry run leaves the check out.)"""
+    from gpucourse.run import dryrun as dr
+
+    dry = dr.dryrun(SCRIPT, world=WORLD, ranks=[0, WORLD - 1], args=[str(a) for a in ARGS], timeout=300,
+                    fake_tensors=True)
+    assert dry["fake_tensors"]
+    for rank in dry["ranks"]:
+        real = json.loads((run.run_dir / "counts" / f"rank{rank['rank']}.json").read_text())
+        assert rank["dry"] and rank["step"] == real["step"] == STEPS - 1
+        assert rank["comms"] == real["comms"] and rank["model_states"] == real["model_states"]

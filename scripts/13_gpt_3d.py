@@ -41,7 +41,8 @@ The check (on by default, left out in a dry run): every rank also trains the uns
 float64, on the same global batches with the same optimizer, and compares each step's loss (last stage) and every
 gradient it holds with it. A rank compares its own shard of each gradient with the same slice of the one process's
 gradient (compute_local_shape_and_global_offset gives the slice): no communication, so the check adds nothing to
-what the run communicates (what $GPUCOURSE_COUNT_FILE counts). Any difference above --tol (1e-10) fails the run (after its summary).
+what the run communicates (what $GPUCOURSE_COUNT_FILE counts). Any difference above --tol (1e-10) fails the run,
+after its summary.
 
 What did not compose as-is on CPU/gloo in float64, and what is done instead (each says why where it is done):
   - the embeddings are not tensor-parallel: the token and position tables stay whole on the tp ranks, and their

@@ -152,6 +152,39 @@ def prepare_fake_tensors() -> None:
     FakeTensor.__str__ = no_value
 
 
+def prepare_fake_group() -> None:
+    """Make torch fit for a rank whose process group is fake (any dry run): called by runtime.setup(); idempotent.
+
+    torch.distributed.pipelining's schedules (2.13) start with a vote between the stages: each sends the next one,
+    then the previous one, an int saying whether every stage was given its shapes (PipelineStage's input_args and
+    output_args), read with `.item()`. Under the fake group nothing arrives (the zeros of the receive buffer: "no",
+    and the stages then send each other their shapes, which do not arrive either: the next stage allocates garbage
+    sizes), and under fake tensors there is no value to read at all. In a dry run each stage decides alone: the
+    shapes it was given (STATIC), or a clear error, since a dry run cannot find them by sending them.
+    """
+    try:
+        from torch.distributed.pipelining import PipelineStage, schedules
+        from torch.distributed.pipelining._utils import InferenceMode
+    except ImportError:  # another torch: nothing to prepare
+        return
+    base = schedules._PipelineSchedule
+    original = getattr(base, "_warmup_p2p", None)
+    if original is None or getattr(original, "_gpucourse_dry", False):
+        return
+
+    def warmup_p2p(self, stages, has_backward, p2p_done):
+        if not all(isinstance(stage, PipelineStage) for stage in stages):
+            return original(self, stages, has_backward, p2p_done)
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(f"pipeline stage {stage.stage_index}: a dry run needs its shapes up front: give "
+                                   "PipelineStage input_args and output_args (the stages cannot send them)")
+            stage._inference_mode = InferenceMode.STATIC
+
+    warmup_p2p._gpucourse_dry = True
+    base._warmup_p2p = warmup_p2p
+
+
 def enter_fake_tensors():
     """runtime.setup()'s hook in a --fake-tensors dry run: from here on every tensor the rank makes is a FakeTensor
     (shape, dtype, device; no storage). Real tensors made before (module-level constants) mix in as fakes."""
@@ -212,8 +245,10 @@ class StepCounter:
     def __init__(self, path: str, rank: int, world_size: int, dry: bool):
         import torch
         from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.distributed._tools.mod_tracker import ModTracker
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_map
         from torch.utils.flop_counter import FlopCounterMode
 
         from . import comm_recorder
@@ -247,8 +282,24 @@ class StepCounter:
                     counter.flops += formula(*args, **kwargs, out_val=out)
                 return out
 
+        class LeafSafeModTracker(ModTracker):
+            """ModTracker that puts no multi-grad hook on a module's leaf inputs. torch 2.13: such a hook raises
+            ("A leaf node was passed to _will_engine_execute_node ...") when backward runs as autograd.grad, which
+            is how a pipeline stage (torch.distributed.pipelining) computes its received activation's gradient:
+            Linear(4, 4) on a leaf x needing its gradient, under ModTracker, then autograd.grad(y, [x]) raises.
+            A module whose only grad-needing inputs are leaves is then marked done at the end of backward, as
+            ModTracker does for a module with no grad-needing input (scripts/13_gpt_3d.py's later stages)."""
+
+            def _fw_pre_hook(self, mod, input):
+                leaf = lambda a: isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf  # noqa: E731
+                super()._fw_pre_hook(mod, tree_map(lambda a: a.detach() if leaf(a) else a, input))
+
         class StepMemory(MemTracker):
             """MemTracker over many steps: a module's second forward starts its stats afresh instead of raising."""
+
+            def __init__(self):
+                super().__init__()
+                self._mod_tracker = LeafSafeModTracker()
 
             def _pre_fw_hook(self, module, inputs):
                 if module in self.memory_tracking and not self._mod_tracker.is_bw:

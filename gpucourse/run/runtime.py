@@ -255,6 +255,10 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
     if dry_run():
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
+        from .dryrun import prepare_fake_group
+
+        prepare_fake_group()  # what torch needs from peers that a fake group cannot deliver (pipeline stages' vote)
+
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     elif os.environ.get("MASTER_PORT") == "0":  # single process without torchrun: no rendezvous needed
         store = dist.HashStore()

@@ -25,6 +25,7 @@ DTENSOR_TP = ROOT / "scripts" / "06_dtensor_tp.py"
 FSDP_MEMORY = ROOT / "scripts" / "07_memory.py"
 CONTEXT = ROOT / "scripts" / "10_context_parallel.py"
 MOE = ROOT / "scripts" / "11_moe.py"
+CAPSTONE_3D = ROOT / "scripts" / "13_gpt_3d.py"
 SMOKE = {CAPSTONE: ["--steps", "2", "--eval-batches", "0", "--sample", "0", "--layers", "1", "--batch", "4"],
          DDP: ["--steps", "2", "--warmup", "2", "--profile-steps", "0", "--hidden", "64", "--layers", "2"],
          PIPELINE: ["--schedules", "1f1b", "--micro", "2", "--steps", "2", "--work-ms", "0"],
@@ -33,7 +34,11 @@ SMOKE = {CAPSTONE: ["--steps", "2", "--eval-batches", "0", "--sample", "0", "--l
          CONTEXT: ["--only", "training", "--seq", "16", "--heads", "2", "--head-dim", "8", "--vocab", "16",
                    "--impl", str(ROOT / "solutions" / "ex10_ring_attention.py")],
          MOE: ["--mode", "timing", "--router", "uniform", "--steps", "2", "--warmup", "0", "--tokens", "16",
-               "--impl", str(ROOT / "solutions" / "ex11_expert_parallel.py")]}
+               "--impl", str(ROOT / "solutions" / "ex11_expert_parallel.py")],
+         # --no-check: the one-process model it trains beside itself would count FLOPs a dry run (which leaves the
+         # check out) does not
+         CAPSTONE_3D: ["--steps", "2", "--layers", "2", "--d-model", "32", "--heads", "2", "--context", "16",
+                       "--batch", "8", "--micro", "2", "--no-check"]}
 # At world 2: the capstone with FSDP over 2 ranks; DDP over 2 (chapter 03's script; chapter 02's,
 # 02_ddp_compare.py, dry-runs the same DDP: its docstring has the command); an MLP block split over 2 by DTensor
 # and by ex06's layers (06); FSDP2 (07); a small model trained with its sequence split over 2 (10: all-gathered K/V, gradients all-reduced); an MoE layer's
@@ -53,7 +58,10 @@ if os.environ.get("GPUCOURSE_DRYRUN_ALL_WORLDS") == "1":
               "context-4": (CONTEXT, [], 4), "moe-4": (MOE, [], 4),
               "capstone-fsdp-4": (CAPSTONE, ["--dp", "4", "--tp", "1"], 4),
               "capstone-tp-4": (CAPSTONE, ["--dp", "1", "--tp", "4"], 4),
-              "ddp-4": (DDP, [], 4), "dtensor-tp-4": (DTENSOR_TP, [], 4), "fsdp-memory-4": (FSDP_MEMORY, [], 4)}
+              "ddp-4": (DDP, [], 4), "dtensor-tp-4": (DTENSOR_TP, [], 4), "fsdp-memory-4": (FSDP_MEMORY, [], 4),
+              # pipeline x FSDP x TP at world 8 (tests/integration/test_capstone_3d.py dry-runs its ranks 0 and 7
+              # with fake tensors against its own counted run in every `make test`)
+              "capstone-3d": (CAPSTONE_3D, ["--pp", "2", "--dp", "2", "--tp", "2"], 8)}
 # The step each case reports: the last it logged (--steps 2 from 0; the pipeline counts from 1; chapter 10 trains 3
 # steps); None where the script logs no step (the whole run is one forward and backward)
 LAST_STEP = {"pipeline": 2, "pipeline-3": 2, "pipeline-4": 2, "dtensor-tp": None, "dtensor-tp-4": None, "context": 2,
@@ -86,8 +94,9 @@ def real_and_dry(request, tmp_path_factory, smoke_chapter):
     else:
         out = tmp_path_factory.mktemp("counts")
         with ThreadPoolExecutor(1) as pool:  # side by side: each spends much of its time starting processes
-            dry = pool.submit(dr.dryrun, script, world=world, ranks=list(range(world)), args=args, timeout=180)
-            result = gpucourse.launch(script, nproc=world, args=args, live="off", timeout=180, check=True,
+            wait = 180 * max(1, world // 4)  # world 8: 8 rank processes each way on 2 cores
+            dry = pool.submit(dr.dryrun, script, world=world, ranks=list(range(world)), args=args, timeout=wait)
+            result = gpucourse.launch(script, nproc=world, args=args, live="off", timeout=wait, check=True,
                                       env={COUNT_FILE_ENV: str(out / "rank{rank}.json")}, name=f"count-{request.param}")
             dry = dry.result()
     real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
@@ -125,6 +134,8 @@ def test_model_states_equal_the_zero_formulas(real_and_dry):
     if case.startswith("capstone-tp"):  # no ZeRO stage: the blocks' Linears are split, the rest is whole on each
         assert all(s == states[0] for s in states) and 4 * n / world < states[0]["params"] < 4 * n
         assert total[0] == 16 * states[0]["params"] / 4  # fp32 AdamW on what the rank holds: 4 + 4 + 8 bytes
+    elif case == "capstone-3d":  # float64 AdamW on what the rank holds: 8 + 8 + 16 bytes
+        assert [4 * s["params"] for s in states] == total
     elif case == "capstone-2d":  # FSDP over the TP shards: each tp rank's pair of dp shards holds as much
         assert states[0]["params"] + states[2]["params"] == states[1]["params"] + states[3]["params"]
         assert [16 * s["params"] / 4 for s in states] == total  # fp32 AdamW on what the rank holds

@@ -1,0 +1,406 @@
+"""Chapter 13: the capstone GPT on a 3-D mesh, pipeline x FSDP x tensor parallel, equal to one process.
+
+    torchrun --nproc-per-node 8 scripts/13_gpt_3d.py --pp 2 --dp 2 --tp 2      # 8 ranks, float64, checked
+    python scripts/13_gpt_3d.py                                                  # 1 rank: pp = dp = tp = 1
+    gpucourse dryrun scripts/13_gpt_3d.py --world 8 --fake-tensors -- --pp 2 --dp 2 --tp 2   # ranks 0 and 7, no peers
+
+The mesh (init_device_mesh) has three named dimensions, ("pp", "dp", "tp"), tp innermost. A rank's number is
+pp_rank * dp * tp + dp_rank * tp + tp_rank, so the tp ranks of a group are neighbours (ranks 0-1, 2-3, ...) and the
+pp ranks are the farthest apart (0 and 4). That is the order of how much each dimension talks: tensor parallelism
+all-gathers and reduce-scatters activations inside every block, forward and backward, on the critical path, so its
+ranks must share the fastest links (one node's NVLink); FSDP moves each parameter and gradient once a step, which
+overlaps with compute; the pipeline sends one activation per micro-batch between neighbouring stages, the least of
+all, and crosses the slowest links (between nodes). Megatron-LM and torchtitan lay their meshes out the same way.
+
+How the three are composed, in torchtitan's order (torchtitan/distributed/pipeline_parallel.py, then each model's
+parallelize function):
+  1. pipeline split: every rank builds the whole model (same seed), then keeps only its stage's part: the
+     embeddings on the first stage, blocks [s*L/pp, (s+1)*L/pp) on stage s, the final norm and head on the last.
+     The blocks live in a ModuleDict keyed by their global number, so a stage's parameter names are the whole
+     model's ("blocks.3.attn.q.weight"): that is how each gradient is compared with the one process's.
+  2. tensor parallelism with sequence parallelism over mesh["tp"] (parallelize_module), on the stage's part:
+     norms are SequenceParallel (each tp rank normalises its slice of the sequence); before attention and the MLP
+     the sequence is all-gathered (PrepareModuleInput Shard(1) -> Replicate), q/k/v and fc are column-parallel,
+     out and proj row-parallel with their outputs reduce-scattered back to sequence slices (Shard(1)).
+  3. FSDP2 over mesh["dp"] (fully_shard, each block then the stage's root), on parameters TP has already split:
+     FSDP shards the tp shards again. reshard_after_forward=False: with micro-batches, resharding after each
+     forward would all-gather the parameters again for every micro-batch (torchtitan does the same under PP).
+  4. the pipeline schedule (PipelineStage over mesh["pp"]'s group, ScheduleGPipe or Schedule1F1B) around the
+     stage's part. The schedule knows FSDP: gradients are reduce-scattered once, after the last micro-batch's
+     backward, and it divides them by the number of micro-batches (each micro-batch loss is a mean).
+
+What crosses a stage boundary is each tp rank's slice of the sequence (micro_batch, context / tp, d_model), a plain
+tensor: tp rank j of stage s sends to tp rank j of stage s+1, in its own pp group.
+
+Where the loss is scaled: each micro-batch loss is a mean over its tokens; the schedule divides gradients by the m
+micro-batches; FSDP's reduce-scatter averages over the dp groups. All micro-batches have the same size, so that is
+the mean over the whole global batch: what one process computes. The loss the last stage logs is the mean of its
+micro-batch losses, averaged over dp.
+
+The check (on by default, left out in a dry run): every rank also trains the unsplit model, in this process, in
+float64, on the same global batches with the same optimizer, and compares each step's loss (last stage) and every
+gradient it holds with it. A rank compares its own shard of each gradient with the same slice of the one process's
+gradient (compute_local_shape_and_global_offset gives the slice): no communication, so the check adds nothing to
+what the run communicates (what $GPUCOURSE_COUNT_FILE counts). Any difference above --tol (1e-10) fails the run,
+after its summary.
+
+What did not compose as-is on CPU/gloo in float64, and what is done instead (each says why where it is done):
+  - the embeddings are not tensor-parallel: the token and position tables stay whole on the tp ranks, and their
+    output is cut into sequence slices by DTensor (PrepareModuleOutput Replicate -> Shard(1)), so that backward
+    all-gathers the slices' gradients and every tp rank computes the tables' whole gradient. (The capstone adds a
+    learned position table; a row-parallel token embedding would need the position one cut the same way.)
+  - each PipelineStage is given its shapes (input_args, output_args: stage_shapes) instead of finding them at the
+    first step, where the stages run a forward and backward and send each other the shapes: under a dry run's fake
+    process group nothing arrives. Then the schedule's opening vote (does every stage know its shapes?) is still
+    sent and read with .item(): gpucourse's dry run lets each stage vote alone (run/dryrun.py, prepare_fake_group).
+  - counting the run ($GPUCOURSE_COUNT_FILE: gpucourse's step counter, torch's MemTracker inside) made the later
+    stages fail: MemTracker's module tracker hooks every module input that needs a gradient, and torch 2.13 refuses
+    such a hook on a leaf inside autograd.grad, which is how a stage computes its received activation's gradient
+    (smallest reproduction: Linear(4, 4) on a leaf x under ModTracker, then torch.autograd.grad(y, [x])). The
+    counter's tracker now leaves leaf inputs alone (run/dryrun.py, LeafSafeModTracker).
+
+The model is chapter 09's (scripts/09_gpt_2d.py), copied because chapter scripts stand alone: the same blocks and
+initialisation, with the blocks in a ModuleDict and the embeddings in a module of their own so that a stage can
+drop what it does not run.
+"""
+import argparse
+import copy
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
+from torch.nn import functional as F
+
+from gpucourse import runtime
+
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "macbeth.txt"
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+# --- data: characters are the tokens (chapter 09's) -----------------------------------------------------
+class CharData:
+    """The corpus as a tensor of character ids; 90 % for training, the last 10 % for validation."""
+
+    def __init__(self, path: Path):
+        text = Path(path).read_text(encoding="utf-8")
+        self.chars = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        split = int(0.9 * len(ids))
+        self.train, self.val = ids[:split], ids[split:]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def batch(self, split: str, batch: int, context: int, seed: int):
+        """`batch` random windows (inputs, next-character targets), the same on every rank for the same seed."""
+        ids = self.train if split == "train" else self.val
+        gen = torch.Generator().manual_seed(seed)
+        starts = torch.randint(len(ids) - context - 1, (batch,), generator=gen)
+        windows = starts[:, None] + torch.arange(context + 1)  # indexed on the tensor: fake-tensor dry runs too
+        return ids[windows[:, :-1]], ids[windows[:, 1:]]
+
+
+# --- the model: chapter 09's GPT, cut so that a stage keeps only its part -------------------------------
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        # -1 heads: under TP a rank holds n_heads / tp whole heads (q/k/v column-parallel)
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.fc, self.proj = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(d_model), Attention(d_model, n_heads)
+        self.ln2, self.mlp = nn.LayerNorm(d_model), MLP(d_model)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embed(nn.Module):
+    """Token plus learned position embeddings (a module of its own: the first stage's)."""
+
+    def __init__(self, vocab_size: int, context: int, d_model: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab_size, d_model), nn.Embedding(context, d_model)
+
+    def forward(self, idx):
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class GPT(nn.Module):
+    """Chapter 09's GPT. Each part may be None: a pipeline stage keeps only its own (forward skips the rest)."""
+
+    def __init__(self, vocab_size: int, context: int, d_model: int = 64, n_heads: int = 4, layers: int = 4):
+        super().__init__()
+        self.context = context
+        self.embed = Embed(vocab_size, context, d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_heads) for i in range(layers)})
+        self.ln_f, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, x):
+        """Token ids -> logits on the whole model; a stage: its input (ids or activations) -> its output."""
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(self.ln_f(x))
+        return x
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+# --- 1. the pipeline split ------------------------------------------------------------------------------
+def stage_part(model: GPT, stage: int, stages: int) -> GPT:
+    """The whole model's part that pipeline stage `stage` of `stages` runs (torchtitan's split: delete the rest)."""
+    part = copy.deepcopy(model)
+    per = len(model.blocks) // stages
+    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    for name in [n for n in part.blocks if n not in keep]:
+        del part.blocks[name]
+    if stage > 0:
+        part.embed = None
+    if stage < stages - 1:
+        part.ln_f = part.head = None
+    return part
+
+
+# --- 2. tensor and sequence parallelism -----------------------------------------------------------------
+def apply_tp(part: GPT, tp_mesh) -> None:
+    """Megatron-style TP with sequence parallelism (torchtitan's plan for Llama, adapted to this GPT).
+
+    Between the blocks, each tp rank holds a slice of the sequence (Shard(1)), as a plain tensor. Per block and
+    micro-batch: forward all-gathers the sequence twice (before attention, before the MLP) and reduce-scatters
+    twice (after out, after proj); backward does the opposite. The norms' weights are replicated; their gradients
+    (partial sums over the tp ranks' slices) are summed by DTensor."""
+    if part.embed is not None:
+        # Not tensor-parallel (see the docstring): whole tables on each tp rank; DTensor cuts the output into
+        # sequence slices. Cutting it with a plain slice would be a silent bug: each tp rank's table gradient
+        # would hold only its own slice's tokens, and nothing would sum them.
+        parallelize_module(part.embed, tp_mesh, PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
+    for block in part.blocks.values():
+        parallelize_module(block, tp_mesh, {
+            "ln1": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.out": RowwiseParallel(output_layouts=Shard(1)),
+            "ln2": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    if part.head is not None:
+        # The head column-parallel over the vocabulary, its logits gathered whole (no loss parallelism): the loss
+        # is then the plain one. Vocabulary 64 divides by tp here.
+        parallelize_module(part, tp_mesh, {
+            "ln_f": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        })
+
+
+def stage_shapes(args, stage: int, vocab: int, dtype, device) -> dict:
+    """What stage `stage` receives and sends for one micro-batch, given to PipelineStage up front (its input_args,
+    output_args): a tp rank's slice of the sequence between stages, token ids into the first, whole logits out of the
+    last. Without them the stages find the shapes at their first step by running a forward and backward and
+    sending the shapes to each other: in a dry run (gpucourse dryrun: a fake process group) nothing arrives, and
+    the next stage would read garbage."""
+    micro = args.batch // args.dp // args.micro
+    # requires_grad: the stages read from these whether a gradient flows back through them (else none is sent)
+    between = torch.empty(micro, args.context // args.tp, args.d_model, dtype=dtype, device=device, requires_grad=True)
+    inputs = torch.zeros(micro, args.context, dtype=torch.long, device=device) if stage == 0 else between
+    outputs = (torch.empty(micro, args.context, vocab, dtype=dtype, device=device, requires_grad=True)
+               if stage == args.pp - 1 else between)
+    return {"input_args": (inputs,), "output_args": (outputs,)}
+
+
+# --- 3. FSDP2 over dp ------------------------------------------------------------------------------------
+def apply_fsdp(part: GPT, dp_mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in part.blocks.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
+    fully_shard(part, mesh=dp_mesh, reshard_after_forward=False)
+
+
+# --- the check against one process -----------------------------------------------------------------------
+def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The part of `full` (a whole tensor) that this rank's shard of the DTensor `like` holds; `full` itself for a
+    plain tensor. Read from the DTensor's placements, no communication."""
+    if not isinstance(like, DTensor):
+        return full
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+def grad_diff(part: nn.Module, reference: nn.Module) -> tuple[float, int]:
+    """(largest |this rank's gradient - the one process's| over every parameter of the stage, parameters compared)."""
+    ref = dict(reference.named_parameters())
+    worst, n = 0.0, 0
+    for name, p in part.named_parameters():
+        mine = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        theirs = local_slice(ref[name].grad, p.grad)
+        if mine.shape != theirs.shape:
+            raise AssertionError(f"{name}: local gradient {tuple(mine.shape)} vs its slice {tuple(theirs.shape)}")
+        worst, n = max(worst, (mine - theirs).abs().max().item() if mine.numel() else 0.0), n + 1
+    return worst, n
+
+
+# --- training --------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--dp", type=int, default=1, help="FSDP size (pp * dp * tp = world size)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size; must divide --heads and --context")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    p.add_argument("--micro", type=int, default=4, help="micro-batches per step in each dp group")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16, help="global batch in sequences (split over the dp groups)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="train the one-process model beside it and compare (off in a dry run)")
+    p.add_argument("--tol", type=float, default=1e-10, help="largest difference the check accepts")
+    p.add_argument("--data", default=str(DATA))
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def check_sizes(args, world_size: int) -> None:
+    if args.pp * args.dp * args.tp != world_size:
+        raise ValueError(f"--pp {args.pp} x --dp {args.dp} x --tp {args.tp} = {args.pp * args.dp * args.tp}, but "
+                         f"the job has {world_size} ranks")
+    if args.layers % args.pp:
+        raise ValueError(f"--pp {args.pp} must divide --layers {args.layers}: each stage takes as many blocks")
+    if args.heads % args.tp or args.d_model % args.heads or args.context % args.tp:
+        raise ValueError(f"--tp {args.tp} must divide --heads {args.heads} and --context {args.context} (sequence "
+                         f"parallelism), and --heads --d-model {args.d_model}")
+    if args.batch % (args.dp * args.micro):
+        raise ValueError(f"--batch {args.batch} must be a multiple of --dp {args.dp} x --micro {args.micro}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    ctx = runtime.setup(seed=args.seed, seed_per_rank=False, cuda_with_gloo=False)  # gloo's send/recv: CPU only
+    check_sizes(args, ctx.world_size)
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    check = args.check and not runtime.dry_run()
+    mesh = init_device_mesh(ctx.device.type, (args.pp, args.dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    first, last = pp_rank == 0, pp_rank == args.pp - 1
+    data = CharData(args.data)
+    # Built in its dtype (the default dtype while it is made), not converted after: a dry run with fake tensors
+    # cannot convert a module its FakeTensorMode made (torch 2.13: module.to(float64) on fake parameters fails).
+    torch.set_default_dtype(dtype)
+    model = GPT(data.vocab_size, args.context, args.d_model, args.heads, args.layers).to(ctx.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    reference = copy.deepcopy(model) if check else None
+    part = stage_part(model, pp_rank, args.pp)  # 1. pipeline split
+    del model
+    apply_tp(part, mesh["tp"])  # 2. TP + SP
+    apply_fsdp(part, mesh["dp"])  # 3. FSDP2
+    stage = PipelineStage(part, pp_rank, args.pp, ctx.device, group=mesh["pp"].get_group(),
+                          **stage_shapes(args, pp_rank, data.vocab_size, dtype, ctx.device))
+    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.micro, loss_fn=loss_fn)  # 4. the schedule
+    opt = torch.optim.AdamW(part.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0, foreach=False) if check else None
+    runtime.log(header=True, pp=args.pp, dp=args.dp, tp=args.tp, schedule=args.schedule, micro=args.micro,
+                params=n_params, stage_params=[n for n, _ in part.named_parameters()], vocab=data.vocab_size,
+                global_batch=args.batch, context=args.context, dtype=args.dtype, device=str(ctx.device),
+                backend=ctx.backend, world_size=ctx.world_size, pp_rank=pp_rank, dp_rank=dp_rank,
+                tp_rank=mesh["tp"].get_local_rank(), check=check)
+
+    per_group = args.batch // args.dp
+    rows = slice(dp_rank * per_group, (dp_rank + 1) * per_group)
+    worst = {"loss_diff": 0.0, "grad_diff": 0.0}
+    for step in range(args.steps):
+        start = time.perf_counter()
+        x, y = data.batch("train", args.batch, args.context, seed=args.seed * 100_003 + step)
+        opt.zero_grad(set_to_none=True)
+        losses = []
+        kwargs = ({"target": y[rows].to(ctx.device), "losses": losses} if last else {})
+        schedule.step(*((x[rows].to(ctx.device),) if first else ()), **kwargs)
+        loss = None
+        if last:  # the mean of this dp group's micro-batch losses, then over the dp groups: the global batch's
+            loss = torch.stack(losses).detach().mean()
+            dist.all_reduce(loss, group=mesh["dp"].get_group())
+            loss = loss / args.dp
+        record = {}
+        if check:
+            ref_opt.zero_grad(set_to_none=True)
+            ref_loss = loss_fn(reference(x.to(ctx.device)), y.to(ctx.device))
+            ref_loss.backward()
+            diff, compared = grad_diff(part, reference)
+            record = {"grad_diff": diff, "grads_compared": compared, "ref_loss": ref_loss.item()}
+            if last:
+                record["loss_diff"] = abs(loss.item() - ref_loss.item())
+            for key in worst:
+                worst[key] = max(worst[key], record.get(key, 0.0))
+            ref_opt.step()
+        opt.step()
+        runtime.log(step=step, total=args.steps, loss=runtime.value(loss) if last else None,
+                    seconds=time.perf_counter() - start, **record)
+    runtime.log(summary=True, checked=check, tol=args.tol, **({f"max_{k}": v for k, v in worst.items()} if check
+                                                               else {}))
+    if check and max(worst.values()) > args.tol:
+        raise AssertionError(f"rank {ctx.rank} (pp {pp_rank}): differs from one process: {worst} > {args.tol}")
+    if ctx.rank == ctx.world_size - 1 and not runtime.dry_run():
+        print(f"pp={args.pp} dp={args.dp} tp={args.tp} ({args.schedule}, {args.micro} micro-batches) on "
+              f"{ctx.world_size} rank(s), {args.dtype}: final loss {runtime.value(loss):.4f}"
+              + (f"; largest difference from one process: loss {worst['loss_diff']:.1e}, gradients "
+                 f"{worst['grad_diff']:.1e}" if check else ""), flush=True)
+    runtime.teardown()
+
+
+if __name__ == "__main__":
+    main()

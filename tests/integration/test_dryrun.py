@@ -26,7 +26,8 @@ FSDP_MEMORY = ROOT / "scripts" / "07_memory.py"
 CONTEXT = ROOT / "scripts" / "10_context_parallel.py"
 MOE = ROOT / "scripts" / "11_moe.py"
 CAPSTONE_3D = ROOT / "scripts" / "13_gpt_3d.py"
-SMOKE = {CAPSTONE: ["--steps", "2", "--eval-batches", "0", "--sample", "0", "--layers", "1", "--batch", "4"],
+SMOKE = {CAPSTONE: ["--steps", "2", "--warmup-steps", "0", "--eval-batches", "0", "--sample", "0", "--layers", "1",
+                   "--batch", "4"],
          DDP: ["--steps", "2", "--warmup", "2", "--profile-steps", "0", "--hidden", "64", "--layers", "2"],
          PIPELINE: ["--schedules", "1f1b", "--micro", "2", "--steps", "2", "--work-ms", "0"],
          DTENSOR_TP: ["--hidden", "32", "--seq", "4", "--impl", str(ROOT / "solutions" / "ex06_tensor_parallel.py")],

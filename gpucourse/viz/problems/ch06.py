@@ -65,8 +65,8 @@ def _dgx(size_mb):
 PROBLEMS = [
     Problem(
         "06.all-reduce-bytes",
-        "A tensor-parallel block of a GPT-3-sized layer (hidden {hidden:,}, sequence {seq:,}, micro-batch {batch}, bf16 "
-        "activations) at tp = {tp}: how many MB does each rank send in the block's forward all-reduce?",
+        "A tensor-parallel block of a GPT-3-sized layer (hidden {hidden:,}, sequence {seq:,}, micro-batch {batch}, "
+        "bf16 activations) at tp = {tp}: how many MB does each rank send in the block's forward all-reduce?",
         inputs={**BIG, "tp": 8}, work=_all_reduce_bytes, unit="MB", scale=1e6, digits=1,
         hint="the all-reduce's buffer is the whole activation b x s x h (every rank holds a partial sum of full "
              "shape), and a ring sends 2(n-1)/n of it per rank, whatever the degree.",

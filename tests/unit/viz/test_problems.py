@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from gpucourse.models import costs, ddpsteps, memory, planner, published, recompute, training
+from gpucourse.models import costs, memory, planner, published, recompute, training
 from gpucourse.viz import problems
 from gpucourse.viz.problems import base
 from gpucourse.viz.problems.base import LEVELS, Problem, parse_number, progress_file
@@ -44,7 +44,8 @@ def first_stage_states():
     return sum(plan["stages"][0]["memory"][k] for k in ("params", "grads", "optimizer"))
 
 
-CH07B = dict(batch=4, layers=4, width=64, matmul_params=4 * 12 * 64 ** 2 + 65 * 64, block_matmul_params=4 * 12 * 64 ** 2)
+CH07B = dict(batch=4, layers=4, width=64, matmul_params=4 * 12 * 64 ** 2 + 65 * 64,
+             block_matmul_params=4 * 12 * 64 ** 2)
 
 
 def mixtral_active():
@@ -127,7 +128,8 @@ EXPECTED = {
     "10.audit-ulysses-constant": lambda: (15 / 16) / (7 / 8),
     "11.capacity": lambda: costs.moe_capacity(4096, 2, 64, 1.25),
     "11.all-to-all-bytes": lambda: 4096 * 2 * 4096 * 2 * 7 / 8 / 1e6,
-    "11.all-to-all-time": lambda: 128 * costs.collective_time("all_to_all", 4096 * 2 * 4096 * 2, 8, 6e-6, 1 / 50e9) / 1e-3,
+    "11.all-to-all-time": lambda: 128 * costs.collective_time("all_to_all", 4096 * 2 * 4096 * 2, 8, 6e-6,
+                                                              1 / 50e9) / 1e-3,
     "11.overlap-chunks": lambda: 2.0 + 2 * 0.8 / 4,
     "11.your-kept-bytes": lambda: 64 * 2 * 0.9 * 32 * 4 * 3 / 4 / 1024,
     "11.audit-mixtral-active": lambda: mixtral_active() / 1e9,

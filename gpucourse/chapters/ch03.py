@@ -133,9 +133,9 @@ def prediction_misses(variants: dict, errors: dict[str, float], *, load: dict, c
 
 @as_table
 def modelled_scaling(curves: dict[str, list[dict]], at=(8, 256, 4096)) -> pd.DataFrame:
-    """One row per modelled curve (widgets.simulate rows): its efficiency at the world sizes `at` (%) and the
-    world size from which it is communication-bound (widgets.turning_point; "—" if not within the curve)."""
-    from ..viz.widgets import turning_point
+    """One row per modelled curve (models.scaling.simulate rows): its efficiency at the world sizes `at` (%) and the
+    world size from which it is communication-bound (models.scaling.turning_point; "—" if not within the curve)."""
+    from ..models.scaling import turning_point
 
     rows = []
     for title, points in curves.items():

@@ -168,7 +168,7 @@ PUBLISHED_FIGURES = {"07.zero1-7b5": 31.4, "07.zero2-7b5": 16.6, "07.audit-widge
 def test_each_chapter_has_five_problems_or_more_and_three_audits_in_all():
     for chapter in ("01", "02", "03", "04", "05", "06", "07", "07b", "08", "09", "10", "11", "12"):
         assert len(problems.CHAPTERS[chapter]) >= 5, chapter
-    for chapter in ("02", "03", "04", "06", "07b", "08", "09", "10", "11"):  # issue 48: one of each, at least
+    for chapter in ("02", "03", "04", "06", "07b", "08", "09", "10", "11"):  # one of each, at least
         assert {"your run", "audit"} <= {p.level for p in problems.CHAPTERS[chapter]}, chapter
     assert sum(p.level == "audit" for p in ALL) >= 3
     assert len({p.id for p in ALL}) == len(ALL)  # ids unique

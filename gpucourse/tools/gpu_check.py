@@ -43,12 +43,15 @@ class GpuCheckError(ValueError):
 _deadline: float | None = None  # time.time() after which no check (and no notebook) is started
 _results: Path | None = None  # JSONL: one line per outcome, appended as soon as it is known
 
-# Seconds a check needs on one H100 (measured 2026-11-25 where a run exists; the others are estimates). A
-# check is not started when less than this is left of the budget: it would be cut off and say nothing.
-ESTIMATE_S = {"nccl_one_rank": 10, "gloo_ranks_share_a_gpu": 12, "nccl_refused_beyond_gpus": 1, "cuda_trace": 17,
-              "data_parallel": 2, "bf16_autocast_ddp": 19, "fsdp_memory": 18, "precision_recipes": 20,
-              "capstone_mfu": 30, "notebooks": 60, "graders": 120, "capstone_compiled": 110, "fp8": 40,
-              "gloo_cuda_segv": 40, "default_sizes": 45}
+def needs(seconds: float):
+    """Mark a check with the seconds it needs on one H100 (measured 2026-11-25 where a run exists, else estimated):
+    it is not started when less than this is left of the budget (it would be cut off and say nothing)."""
+    def mark(check):
+        check.needs_s = seconds
+        return check
+    return mark
+
+
 NOTEBOOK_MIN_S = 45  # a notebook is not started with less than this left
 
 # What the report says was not checked, whatever ran (one line each).
@@ -100,6 +103,7 @@ def _doctor_record(res, rank=0) -> dict:
 
 
 # --- the checks: each returns (passed, summary, figures[, result]) ---------------------------------------
+@needs(10)
 def check_nccl_one_rank():
     """The doctor job (an all-reduce with a known answer) at 1 rank on NCCL."""
     res = _launch(DOCTOR_JOB, nproc=1, backend="nccl", name="gpucheck-nccl")
@@ -109,6 +113,7 @@ def check_nccl_one_rank():
         {"backend": setup.get("backend"), "device": setup.get("device")}, res
 
 
+@needs(12)
 def check_gloo_ranks_share_a_gpu(nproc: int = 4):
     """More ranks than GPUs: gloo, each rank's tensors on the (shared) GPU, the all-reduce still exact."""
     res = _launch(DOCTOR_JOB, nproc=nproc, backend="gloo", name="gpucheck-gloo-cuda")
@@ -118,6 +123,7 @@ def check_gloo_ranks_share_a_gpu(nproc: int = 4):
         {"devices": devices}, res
 
 
+@needs(1)
 def check_nccl_refused_beyond_gpus():
     """Asking NCCL for more ranks than GPUs is refused before anything starts, with a message that says why."""
     from ..run.hardware import gpu_count
@@ -131,6 +137,7 @@ def check_nccl_refused_beyond_gpus():
     return False, f"{n} ranks on NCCL were started ({res.status}) instead of refused", {}, res
 
 
+@needs(17)
 def check_cuda_trace():
     """A profiled DDP step on the GPU: CUDA kernels, NCCL kernels and streams read back by gpucourse.models.traces."""
     from ..viz.timeline import timeline_plot
@@ -155,6 +162,7 @@ def check_cuda_trace():
                 f"stream(s), {figures['steps_analysed']} steps analysed"), figures, res
 
 
+@needs(2)
 def check_data_parallel():
     """nn.DataParallel on the GPU(s) gives the same output and gradients as the plain module."""
     import torch
@@ -175,6 +183,7 @@ def check_data_parallel():
         {"max_grad_diff": diff, "gpus": torch.cuda.device_count()}
 
 
+@needs(19)
 def check_bf16_autocast_ddp():
     """Chapter 02's precision script on the GPU: fp32, bf16 autocast and the bf16/fp16 compression hooks."""
     res = _launch(SCRIPTS / "02_precision.py", nproc=1, backend="nccl", name="gpucheck-precision")
@@ -184,6 +193,7 @@ def check_bf16_autocast_ddp():
     return ok, _failed_run(res) or f"modes run: {', '.join(figures['modes'])}", figures, res
 
 
+@needs(18)
 def check_fsdp_memory(width: int = 2048, depth: int = 8):
     """Chapter 07's memory script on the GPU: the allocator's peak per mode beside the counted state bytes."""
     res = _launch(SCRIPTS / "07_memory.py", nproc=1, backend="nccl", name="gpucheck-memory",
@@ -198,6 +208,7 @@ def check_fsdp_memory(width: int = 2048, depth: int = 8):
     return ok, _failed_run(res) or text, figures, res
 
 
+@needs(20)
 def check_precision_recipes(width: int = 2048, depth: int = 8):
     """Chapter 07b's mixed-precision script on the GPU: each recipe's counted bytes (checked against the formula in
     the run) beside torch.cuda.max_memory_allocated; fp16 autocast with GradScaler("cuda") skipping and halving."""
@@ -257,6 +268,7 @@ def _capstone_text(figures: dict) -> str:
     return text
 
 
+@needs(30)
 def check_capstone_mfu(d_model: int = 2048, layers: int = 8, heads: int = 16, context: int = 1024,
                        batch: int = 32, steps: int = 12):
     """The capstone GPT on one GPU in bf16: tokens/s, and MFU from gpucourse.models.costs (model FLOPs, dense peak)."""
@@ -282,6 +294,7 @@ def compile_seconds(step_seconds: list[float], warmup: int) -> float | None:
 CAPSTONE_VARIANTS = {"eager": (), "compiled_fused": ("--compile", "--fused-optimizer"), "fused": ("--fused-optimizer",)}
 
 
+@needs(110)
 def check_capstone_compiled(d_model: int = 2048, layers: int = 8, heads: int = 16, context: int = 1024,
                             batch: int = 32, steps: int = 12, warmup: int = 4,
                             variants=("eager", "compiled_fused", "fused")):
@@ -357,6 +370,7 @@ def _notebook_row(run) -> dict:
             "error": run.error[:2000]}
 
 
+@needs(60)
 def check_notebooks(smoke: bool = True, only: list[str] | None = None, output: Path | None = None,
                     workers: int = 1):
     """Chapter notebooks executed with papermill on this machine (the launcher picks NCCL or gloo); `only` runs
@@ -471,6 +485,7 @@ def _job_exercise(job_name: str, exercises) -> str | None:
     return best[0] if best else None
 
 
+@needs(120)
 def check_graders(exercises=GRADED, target: str = "solutions", workers: int = 4):
     """`gpucourse grade EX --target solutions` for the GPU-relevant exercises, on this machine (full marks
     expected); which backend and device each grading job's ranks used, read from its runs."""
@@ -611,6 +626,7 @@ def _load_capstone():
     return module
 
 
+@needs(40)
 def check_fp8(sizes=(4096, 8192), steps: int = 20, d_model: int = 1024, layers: int = 4, heads: int = 16,
               context: int = 512, batch: int = 16):
     """FP8 (torch._scaled_mm, float8_e4m3fn, tensor-wise scales) where the GPU has it: bf16 vs FP8 matmul speed,
@@ -747,6 +763,7 @@ def innermost_distributed_call(stacks: list[dict]) -> dict | None:
 SEGV_MODES = ("ddp", "zero1", "sharded", "fsdp2", "fsdp")
 
 
+@needs(40)
 def check_gloo_cuda_segv(runs: int = 3, nproc: int = 2, width: int = 128, depth: int = 4, steps: int = 2):
     """Chapter 07's ZeRO/FSDP script with gloo ranks sharing the GPU and holding CUDA tensors (--cuda-with-gloo),
     faulthandler on: the crashing rank's Python stack names the collective. Up to `runs` runs, until one crashes."""
@@ -793,6 +810,7 @@ def check_gloo_cuda_segv(runs: int = 3, nproc: int = 2, width: int = 128, depth:
 
 
 # --- one chapter at its default sizes ---------------------------------------------------------------------
+@needs(45)
 def check_default_sizes():
     """Chapter 03's DDP training script and chapter 07b's precision script at their default sizes, 1 rank on the
     GPU (what the notebooks launch there): time per step, and torch.cuda.max_memory_allocated per recipe."""
@@ -825,6 +843,7 @@ def check_default_sizes():
     return res03.ok and res07.ok and bool(steps) and bool(rows), text, figures, res07
 
 
+@needs(30)
 def check_dryrun_memory(d_model: int = 1024, layers: int = 8, heads: int = 16, context: int = 1024, batch: int = 16,
                         steps: int = 3, modes=("allreduce", "fsdp")):
     """The dry run's predicted peak (`gpucourse dryrun --fake-tensors`, world 1, on the CPU) against the capstone's
@@ -859,6 +878,7 @@ def check_dryrun_memory(d_model: int = 1024, layers: int = 8, heads: int = 16, c
     return ok, "; ".join(texts), figures, last
 
 
+@needs(30)
 def check_pipeline_schedules(schedules=None, nproc: int = 2):
     """Chapter 05's schedules script, one launch per schedule (by default every one the script knows; 2 gloo
     ranks on the CPU, as the chapter runs it beside a GPU): which schedules run on this machine's torch. The
@@ -980,7 +1000,7 @@ def main(args) -> int:
 
     if args.list:
         for name, fn in CHECKS.items():
-            print(f"{name:26} {fn.__doc__.strip().splitlines()[0]}")
+            print(f"{name:26} ~{fn.needs_s:>3} s  {fn.__doc__.strip().splitlines()[0]}")
         return 0
     if args.report_from:
         if not Path(args.report_from).is_file():
@@ -1009,7 +1029,7 @@ def main(args) -> int:
           + (f", {seconds_left():.0f} s of budget" if _deadline else ""), flush=True)
     outcomes = []
     for name in names:
-        left, need = seconds_left(), ESTIMATE_S.get(name, 30)
+        left, need = seconds_left(), getattr(CHECKS[name], "needs_s", 30)
         if left is not None and left < need:
             outcome = Outcome(name, "skipped", f"not started: {max(left, 0):.0f} s of the time budget left, "
                                                f"it needs about {need} s")

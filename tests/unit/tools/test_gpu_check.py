@@ -35,6 +35,13 @@ def test_nccl_beyond_the_gpus_is_refused_before_anything_starts():
     assert "NCCL needs one GPU per rank" in outcome.summary and outcome.run is None
 
 
+def test_every_check_is_registered_once_with_the_seconds_it_needs():
+    """One registry: CHECKS, each check marked @needs(seconds) where it is defined (the budget reads it)."""
+    needs = {name: getattr(fn, "needs_s", None) for name, fn in gpu_check.CHECKS.items()}
+    assert all(isinstance(s, (int, float)) and s > 0 for s in needs.values()), needs
+    assert sorted(n for n in dir(gpu_check) if n.startswith("check_")) == sorted(f"check_{n}" for n in gpu_check.CHECKS)
+
+
 def test_an_exception_inside_a_check_is_its_failure_not_a_crash(monkeypatch):
     def broken():
         raise RuntimeError("CUDA error: device-side assert triggered")

@@ -70,6 +70,22 @@ def test_a_layout_that_cannot_be_laid_out_is_refused_with_a_clear_error(layout, 
         planner.plan_parallelism("llama3-70b", gpus=1024, **layout)
 
 
+def test_llama3s_split_takes_a_layer_from_the_first_and_the_last_stage():
+    """Llama 3 405B on 16 stages: 7, 8 x 14, 7 layers (its paper, section 3.3.2), not the even split's 8 x 14, 7, 7.
+    The first stage then holds one layer's states and activations fewer; the last is unchanged."""
+    plan = dict(gpus=16384, dp=128, tp=8, pp=16, seq=8192, global_batch=2048, schedule="1f1b")
+    even = planner.plan_parallelism("llama3-405b", **plan)
+    llama = planner.plan_parallelism("llama3-405b", **plan, stage_layers=[7] + [8] * 14 + [7])
+    assert [st["layers"] for st in even["stages"]] == [8, 7] and [st["layers"] for st in llama["stages"]] == [7, 7]
+    layer = planner.shape_params("llama3-405b")["layer_dense"] / 8
+    assert even["stages"][0]["params"] - llama["stages"][0]["params"] == pytest.approx(layer)
+    assert even["stages"][0]["memory"]["activations"] * 7 / 8 == pytest.approx(
+        llama["stages"][0]["memory"]["activations"])
+    assert even["stages"][1] == llama["stages"][1]
+    with pytest.raises(ValueError, match="adding up to the model's 126"):
+        planner.plan_parallelism("llama3-405b", **plan, stage_layers=[8] * 16)
+
+
 def test_tp_across_nodes_and_a_pipeline_that_never_fills_are_flagged():
     wide = planner.plan_parallelism("llama3-70b", gpus=1024, dp=16, tp=16, pp=4, global_batch=16)
     assert wide["spans_nodes"]["tp"] and any("spans nodes" in w for w in wide["warnings"])

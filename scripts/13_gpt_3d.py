@@ -492,7 +492,8 @@ def check_sizes(args, world_size: int) -> None:
         raise ValueError(f"--kv-heads {kv_heads} must divide --heads {args.heads}, and --tp {args.tp} must divide "
                          f"--kv-heads {kv_heads}: each tp rank holds whole key/value heads")
     if args.arch == "llama" and (args.d_model // args.heads) % 2:
-        raise ValueError(f"--d-model / --heads = {args.d_model // args.heads}: rotary embeddings need an even head size")
+        raise ValueError(f"--d-model / --heads = {args.d_model // args.heads}: rotary embeddings need an even head "
+                         "size")
     if args.arch == "gpt" and (args.kv_heads or args.ffn):
         raise ValueError("--kv-heads and --ffn are --arch llama's")
     if args.batch % (args.dp * args.micro):
@@ -540,7 +541,9 @@ def main(argv=None) -> None:
         opt.zero_grad(set_to_none=True)
         losses = []
         kwargs = ({"target": y[rows].to(ctx.device), "losses": losses} if last else {})
-        schedule.step(*((x[rows].to(ctx.device),) if first else ()), **kwargs)
+        # return_outputs=False: else the last stage keeps every micro-batch's logits and concatenates them at the
+        # end of the step (torch 2.13's default), 2 x 16 x 2.1 GB of whole logits at Llama 3 405B's shape
+        schedule.step(*((x[rows].to(ctx.device),) if first else ()), return_outputs=False, **kwargs)
         loss = None
         if last:  # the mean of this dp group's micro-batch losses, then over the dp groups: the global batch's
             loss = torch.stack(losses).detach().mean()

@@ -3,6 +3,17 @@
     torchrun --nproc-per-node 8 scripts/13_gpt_3d.py --pp 2 --dp 2 --tp 2      # 8 ranks, float64, checked
     python scripts/13_gpt_3d.py                                                  # 1 rank: pp = dp = tp = 1
     gpucourse dryrun scripts/13_gpt_3d.py --world 8 --fake-tensors -- --pp 2 --dp 2 --tp 2   # ranks 0 and 7, no peers
+    python benchmarks/dryrun_llama3_405b.py    # --arch llama at Llama 3 405B's shape, 16,384 ranks, ranks 0 and 16,383
+
+--arch llama makes it a Llama 3-style model (RMSNorm, a SwiGLU MLP of --ffn, grouped-query attention with
+--kv-heads, rotary positions and no position table, an untied head; Meta's and torchtitan's names), tensor-parallel
+by torchtitan's plan (the token embedding row-parallel over the vocabulary too); --split llama3 gives the first and
+the last stage one block fewer than the others, as Llama 3 did for the embedding's memory and the head's and loss's
+time (126 layers on 16 stages: 7, 8 x 14, 7; the Llama 3 paper, section 3.3.2, "Pipeline parallelism
+improvements"); --vocab draws random tokens from a vocabulary that large (128,256); --dtype bfloat16 holds
+parameters, gradients and Adam's states in bf16 (the planner's recipe "bf16"). The check holds for it as for the
+GPT: float64 at world 4 (pp 2 x tp 2) and 8 (pp 4 x tp 2 split 1, 2, 2, 1; pp 2 x dp 2 x tp 2), differences below
+1e-15.
 
 The mesh (init_device_mesh) has three named dimensions, ("pp", "dp", "tp"), tp innermost. A rank's number is
 pp_rank * dp * tp + dp_rank * tp + tp_rank, so the tp ranks of a group are neighbours (ranks 0-1, 2-3, ...) and the
@@ -58,6 +69,23 @@ What did not compose as-is on CPU/gloo in float64, and what is done instead (eac
     such a hook on a leaf inside autograd.grad, which is how a stage computes its received activation's gradient
     (smallest reproduction: Linear(4, 4) on a leaf x under ModTracker, then torch.autograd.grad(y, [x])). The
     counter's tracker now leaves leaf inputs alone (run/dryrun.py, LeafSafeModTracker).
+
+With --arch llama, and for the dry run at Llama 3 405B's shape:
+  - the key/value heads are not copied per query head: scaled_dot_product_attention(enable_gqa=True), whose CPU
+    kernel and FlopCounterMode both take fewer key/value heads; --tp must divide --kv-heads (each tp rank holds
+    whole key/value heads: 8 at Llama 3's shape, one a rank at tp 8).
+  - no loss parallelism: the head's logits are gathered whole (as for the GPT), so the last stage keeps the whole
+    bf16 logits and their log-softmax for one micro-batch (2 x 2.1 GB at Llama 3's shape) where Megatron-LM keeps
+    1/tp of them. And schedule.step(return_outputs=False): by default torch's schedule keeps every micro-batch's
+    output on the last stage and concatenates them at the end of the step (16 x 2.1 GB, then as much again).
+  - the rotary tables are non-persistent buffers of the model, so each stage keeps its own (4 MB at 8,192 tokens).
+  - what a fake-tensor dry run counts where a GPU would differ: nn.RMSNorm in bf16 on the CPU device computes in
+    fp32 and keeps its input and product in fp32 for backward (CUDA's fused kernel keeps the bf16 input and rstd);
+    and DTensor's sequence parallelism keeps the whole gathered input of the column-parallel layers (Megatron-LM
+    keeps a 1/tp slice and gathers it again in backward): benchmarks/dryrun_llama3_405b.py says by how much.
+  - every rank still builds the whole model before keeping its stage (the check needs the same initialisation):
+    at 405 B parameters that is 810 GB of fake bf16 tensors, a few seconds, no memory; the first step's counts
+    include it, so the dry run is read at its second step (--steps 2).
 
 The model is chapter 09's (scripts/09_gpt_2d.py), copied because chapter scripts stand alone: the same blocks and
 initialisation, with the blocks in a ModuleDict and the embeddings in a module of their own so that a stage can

@@ -208,3 +208,35 @@ def test_dry_run_tables_show_counts_per_rank_and_group():
     assert list(comms["bytes (MiB)"]) == [6, 3]
     real = {"rank": 1023, "comms": [dict(rank["comms"][0]), dict(rank["comms"][1], calls=2)]}
     assert list(tables.dry_vs_real([rank], [real])["equal"]) == [True, False]
+
+
+def test_the_capstones_llama_at_llama3_405bs_widths_has_the_planners_parameters():
+    """scripts/13_gpt_3d.py --arch llama at Llama 3 405B's widths (built on the meta device: no memory; 4 layers of
+    its 126, on 3 stages split as Llama 3 split its 16: one layer fewer on the first and the last) holds the
+    planner's parameters, in all and on each stage: what benchmarks/dryrun_llama3_405b.py dry-runs is the model the
+    planner counts. Llama 3's own split is [7, 8 x 14, 7]."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpt_3d", ROOT / "scripts" / "13_gpt_3d.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.stage_layers(126, 16, "llama3") == [7] + [8] * 14 + [7]
+    s = {**planner.SHAPES["llama3-405b"], "layers": 4, "norm": "rmsnorm"}
+    args = SimpleNamespace(arch="llama", context=8192, d_model=s["d_model"], heads=s["heads"], layers=s["layers"],
+                           kv_heads=s["kv_heads"], ffn=s["ffn"], rope_theta=5e5)
+    with torch.device("meta"):
+        model = script.build_model(args, s["vocab"])
+    p = planner.shape_params(s)
+    assert sum(t.numel() for t in model.parameters()) == p["total"]
+    assert script.stage_layers(4, 3, "llama3") == [1, 2, 1]
+    parts = [sum(t.numel() for t in script.stage_part(model, stage, 3, "llama3").parameters()) for stage in range(3)]
+    assert parts == [p["layer_dense"] + p["embedding"], 2 * p["layer_dense"], p["layer_dense"] + p["head"]
+                     + p["final_norm"]]
+    with pytest.raises(ValueError, match="must divide --kv-heads 8"):
+        script.check_sizes(script.parse_args(["--arch", "llama", "--tp", "16", "--dp", "1", "--heads", "16",
+                                              "--d-model", "64", "--kv-heads", "8"]), 16)

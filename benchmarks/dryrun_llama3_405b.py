@@ -54,8 +54,9 @@ PLAN = dict(gpus=WORLD, dp=DP, tp=TP, pp=PP, seq=SEQ, global_batch=GLOBAL_BATCH,
 # Why a part or a group's figure differs from the planner's (what the dry run's torch does that the model,
 # Megatron-LM's implementation, does not); checked on this plan, see the report
 WHY = {
-    "grads": "the first stage's embedding backward: about 3.7 GB more at its peak, gone with a 1,024-token "
-             "vocabulary (checked at 1 layer); the planner counts the gradients alone",
+    "grads": "the row-parallel embedding's weight gradient comes out of DTensor's backward (2.13) Replicate: all "
+             "128,256 rows, 4.2 GB, on every tp rank, until FSDP keeps its shard: +3.68 GB at the first stage's "
+             "peak, which falls in its backward; the planner counts the rank's rows",
     "activations": "a block keeps 160,320 B a token here against the planner's 78,336 (Megatron-LM's): DTensor's "
                    "sequence parallelism keeps the whole gathered input of wq/wk/wv and of w1/w3 (2 x 2d = 65,536 "
                    "against the norms' sharded outputs, 8,192; Megatron keeps those and gathers again in backward): "

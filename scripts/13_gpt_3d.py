@@ -79,6 +79,9 @@ With --arch llama, and for the dry run at Llama 3 405B's shape:
     1/tp of them. And schedule.step(return_outputs=False): by default torch's schedule keeps every micro-batch's
     output on the last stage and concatenates them at the end of the step (16 x 2.1 GB, then as much again).
   - the rotary tables are non-persistent buffers of the model, so each stage keeps its own (4 MB at 8,192 tokens).
+  - the token embedding is row-parallel (torchtitan's plan; no position table to cut alike), but its weight's
+    gradient comes out of DTensor's backward (2.13) Replicate: the whole table's gradient on every tp rank (4.2 GB
+    at Llama 3's shape) until FSDP keeps the rank's shard; no collective, but a transient whole table.
   - what a fake-tensor dry run counts where a GPU would differ: nn.RMSNorm in bf16 on the CPU device computes in
     fp32 and keeps its input and product in fp32 for backward (CUDA's fused kernel keeps the bf16 input and rstd);
     and DTensor's sequence parallelism keeps the whole gathered input of the column-parallel layers (Megatron-LM

@@ -1,11 +1,12 @@
 """gpucourse: the helper package of a hands-on course on multi-GPU and distributed training.
 
-Four layers, each a folder; a module imports from its own layer and the ones listed before it only:
+Five layers, each a folder; a module imports from its own layer and the ones listed before it only:
 
-    run/     running jobs: the launcher, its agent, the ranks' runtime, what a run leaves on disk
-    models/  numbers: units, the cost models, memory counts, what a profiler trace says
-    viz/     what a learner sees: charts, timelines, widgets, quick checks
-    tools/   what people run: the CLI, grading, releases, the course in batch, the GPU check
+    run/       running jobs: the launcher, its agent, the ranks' runtime, what a run leaves on disk
+    models/    numbers: units, the cost models, memory counts, what a profiler trace says
+    viz/       what a learner sees, shared by the chapters: charts, tables, timelines, widgets, quick checks
+    chapters/  one module a chapter (ch05 for notebooks/05_*): the tables and figures only it shows
+    tools/     what people run: the CLI, grading, releases, the course in batch, the GPU check
 
 Importing the package is cheap (no torch): names are loaded on first use, so `import gpucourse`
 in a shell or a notebook costs milliseconds and `gpucourse.runtime` pulls torch only inside a rank.
@@ -37,7 +38,8 @@ _MODULES = {
     "runtime": "gpucourse.run.runtime", "hardware": "gpucourse.run.hardware", "live": "gpucourse.run.live",
     "costs": "gpucourse.models.costs", "memory": "gpucourse.models.memory", "traces": "gpucourse.models.traces",
     "units": "gpucourse.models.units",
-    "plots": "gpucourse.viz.plots", "timeline": "gpucourse.viz.timeline", "widgets": "gpucourse.viz.widgets",
+    "plots": "gpucourse.viz.plots", "tables": "gpucourse.viz.tables", "timeline": "gpucourse.viz.timeline",
+    "widgets": "gpucourse.viz.widgets",
     "quiz": "gpucourse.viz.quiz", "problems": "gpucourse.viz.problems", "slurm": "gpucourse.run.slurm",
     "exercises": "gpucourse.tools.exercises", "grading": "gpucourse.tools.grading",
     "labconfig": "gpucourse.tools.labconfig",

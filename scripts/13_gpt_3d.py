@@ -362,7 +362,7 @@ def stage_part(model: GPT, stage: int, stages: int, split: str = "even") -> GPT:
 
 
 # --- 2. tensor and sequence parallelism -----------------------------------------------------------------
-def apply_tp(part: GPT, tp_mesh) -> None:
+def apply_tp(part: GPT, tp_mesh, bug: str | None = None) -> None:
     """Megatron-style TP with sequence parallelism (torchtitan's plan for Llama, adapted to this GPT).
 
     Between the blocks, each tp rank holds a slice of the sequence (Shard(1)), as a plain tensor. Per block and
@@ -377,13 +377,15 @@ def apply_tp(part: GPT, tp_mesh) -> None:
         # would hold only its own slice's tokens, and nothing would sum them.
         parallelize_module(part.embed, tp_mesh, PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
+    # The bug norm_grad_not_reduced leaves the blocks' norms plain modules on each tp rank's slice: forward is
+    # right (a norm is per token), but each rank's weight gradient holds only its slice's tokens, never summed.
+    norm = {} if bug == "norm_grad_not_reduced" else {"ln1": SequenceParallel(), "ln2": SequenceParallel()}
     for block in part.blocks.values():
         parallelize_module(block, tp_mesh, {
-            "ln1": SequenceParallel(),
+            **norm,
             "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
             "attn.out": RowwiseParallel(output_layouts=Shard(1)),
-            "ln2": SequenceParallel(),
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
         })
@@ -448,15 +450,24 @@ def apply_fsdp(part: GPT, dp_mesh) -> None:
 
 
 # --- the check against one process -----------------------------------------------------------------------
-def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The part of `full` (a whole tensor) that this rank's shard of the DTensor `like` holds; `full` itself for a
-    plain tensor. Read from the DTensor's placements, no communication."""
+def offset_of(like: torch.Tensor) -> tuple[int, ...]:
+    """Where this rank's shard of the DTensor `like` starts in the whole tensor (zeros for a plain tensor): read from
+    its placements, no communication."""
     if not isinstance(like, DTensor):
-        return full
+        return (0,) * like.dim()
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
-    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+    return tuple(compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)[1])
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The part of `full` (a whole tensor) that this rank's shard of `like` holds."""
+    shape = local_of(like).shape
+    return full[tuple(slice(o, o + n) for o, n in zip(offset_of(like), shape))]
 
 
 def grad_diff(part: nn.Module, reference: nn.Module) -> tuple[float, int]:
@@ -464,12 +475,49 @@ def grad_diff(part: nn.Module, reference: nn.Module) -> tuple[float, int]:
     ref = dict(reference.named_parameters())
     worst, n = 0.0, 0
     for name, p in part.named_parameters():
-        mine = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        theirs = local_slice(ref[name].grad, p.grad)
+        mine, theirs = local_of(p.grad), local_slice(ref[name].grad, p.grad)
         if mine.shape != theirs.shape:
             raise AssertionError(f"{name}: local gradient {tuple(mine.shape)} vs its slice {tuple(theirs.shape)}")
         worst, n = max(worst, (mine - theirs).abs().max().item() if mine.numel() else 0.0), n + 1
     return worst, n
+
+
+def shards(tensors: dict) -> dict:
+    """{name: {"offset", "value"}}: this rank's shard of each tensor and where it starts in the whole one (what
+    --record writes, and what exercise 13 compares with the one process)."""
+    return {name: {"offset": offset_of(t), "value": local_of(t).detach().clone()} for name, t in tensors.items()}
+
+
+# --- silent bugs: each trains without an error and with a plausible loss (chapter 13, exercise 13) ----------
+BUGS = {
+    "tp_same_seed": "each tp shard of a weight initialised on its own rank, the seed not offset by the tp rank: "
+                    "every tp rank holds the same slice (Megatron's model-parallel seed forgotten)",
+    "norm_grad_not_reduced": "the blocks' norms left out of sequence parallelism: each tp rank's norm gradient "
+                             "holds only its slice's tokens, never summed over tp",
+    "micro_loss_scale": "the schedule's gradients not divided by the micro-batches (scale_grads=False, a mean loss "
+                        "per micro-batch): m times too large, which Adam barely notices",
+    "dp_same_batch": "every dp group trains on the first rows of the global batch: the data not split by dp rank",
+    "vocab_parallel_lse": "the loss's softmax normalised over each tp rank's slice of the vocabulary, its sum never "
+                          "all-reduced over tp: the loss about log(tp) too low at the start",
+}
+
+
+def init_shards_same_seed(part: nn.Module, seed: int) -> None:
+    """tp_same_seed: re-draw every tensor-parallel weight's local shard from one seed, the same on every tp rank."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in part.named_parameters():
+            if name.endswith("weight") and isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
+                p.to_local().normal_(0.0, 0.02, generator=gen)
+
+
+def vocab_parallel_lse_loss(tp_rank: int, tp: int):
+    """vocab_parallel_lse: cross-entropy whose log-sum-exp covers only this tp rank's slice of the vocabulary."""
+    def loss(logits, targets):
+        size = logits.shape[-1] // tp
+        lse = logits[..., tp_rank * size:(tp_rank + 1) * size].logsumexp(-1)  # should sum over every tp rank
+        return (lse - logits.gather(-1, targets[..., None]).squeeze(-1)).mean()
+    return loss
 
 
 # --- training --------------------------------------------------------------------------------------------
@@ -502,7 +550,23 @@ def parse_args(argv=None):
     p.add_argument("--tol", type=float, default=1e-10, help="largest difference the check accepts")
     p.add_argument("--data", default=str(DATA))
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--bug", type=bug_list, default=["none"], metavar="NAME[,NAME...]",
+                   help=f"inject a silent bug ({', '.join(BUGS)}), or none; several: trained one after the other "
+                        "in the same launch")
+    p.add_argument("--record", metavar="DIR", help="each rank writes its loss and its shard of every parameter "
+                   "and gradient, per step, to DIR/<bug>/rank<r>.pt; rank 0 the one process's to DIR/reference.pt")
+    args = p.parse_args(argv)
+    if args.record and not args.check:
+        p.error("--record writes the one process's run too: it needs --check")
+    return args
+
+
+def bug_list(text: str) -> list[str]:
+    names = text.split(",")
+    unknown = [n for n in names if n != "none" and n not in BUGS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown bug {', '.join(unknown)}: choose from none, {', '.join(BUGS)}")
+    return names
 
 
 def check_sizes(args, world_size: int) -> None:
@@ -527,6 +591,8 @@ def check_sizes(args, world_size: int) -> None:
                          "size")
     if args.arch == "gpt" and (args.kv_heads or args.ffn):
         raise ValueError("--kv-heads and --ffn are --arch llama's")
+    if args.arch == "llama" and args.bug != ["none"]:
+        raise ValueError("--bug is injected into the GPT (--arch gpt) only")
     if args.batch % (args.dp * args.micro):
         raise ValueError(f"--batch {args.batch} must be a multiple of --dp {args.dp} x --micro {args.micro}")
 
@@ -536,12 +602,21 @@ def main(argv=None) -> None:
     ctx = runtime.setup(seed=args.seed, seed_per_rank=False, cuda_with_gloo=False)  # gloo's send/recv: CPU only
     check_sizes(args, ctx.world_size)
     torch.set_num_threads(1)
+    mesh = init_device_mesh(ctx.device.type, (args.pp, args.dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
+    data = RandomTokens(args.vocab) if args.vocab else CharData(args.data)
+    failed = [bug for bug in args.bug if not train(args, ctx, mesh, data, bug)]
+    runtime.teardown()
+    if failed:
+        raise AssertionError(f"rank {ctx.rank}: differs from one process (--tol {args.tol}), see its log")
+
+
+def train(args, ctx, mesh, data, bug: str) -> bool:
+    """Build, split and train the model with `bug` in it ("none": the right run); False if the check failed."""
     dtype = getattr(torch, args.dtype)
     check = args.check and not runtime.dry_run()
-    mesh = init_device_mesh(ctx.device.type, (args.pp, args.dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
-    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    torch.manual_seed(args.seed)  # every variant starts from the same model
+    pp_rank, dp_rank, tp_rank = (mesh[d].get_local_rank() for d in ("pp", "dp", "tp"))
     first, last = pp_rank == 0, pp_rank == args.pp - 1
-    data = RandomTokens(args.vocab) if args.vocab else CharData(args.data)
     # Built in its dtype (the default dtype while it is made), not converted after: a dry run with fake tensors
     # cannot convert a module its FakeTensorMode made (torch 2.13: module.to(float64) on fake parameters fails).
     torch.set_default_dtype(dtype)
@@ -550,36 +625,44 @@ def main(argv=None) -> None:
     reference = copy.deepcopy(model) if check else None
     part = stage_part(model, pp_rank, args.pp, args.split)  # 1. pipeline split
     del model
-    apply_tp(part, mesh["tp"])  # 2. TP + SP
+    apply_tp(part, mesh["tp"], bug)  # 2. TP + SP
+    if bug == "tp_same_seed" and args.tp > 1:
+        init_shards_same_seed(part, args.seed + 1 + pp_rank)
     apply_fsdp(part, mesh["dp"])  # 3. FSDP2
     stage = PipelineStage(part, pp_rank, args.pp, ctx.device, group=mesh["pp"].get_group(),
                           **stage_shapes(args, pp_rank, data.vocab_size, dtype, ctx.device))
-    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.micro, loss_fn=loss_fn)  # 4. the schedule
+    loss = vocab_parallel_lse_loss(tp_rank, args.tp) if bug == "vocab_parallel_lse" else loss_fn
+    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.micro, loss_fn=loss,  # 4. the schedule
+                                        scale_grads=bug != "micro_loss_scale")
     opt = torch.optim.AdamW(part.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0, foreach=False) if check else None
     runtime.log(header=True, pp=args.pp, dp=args.dp, tp=args.tp, schedule=args.schedule, micro=args.micro,
                 params=n_params, stage_params=[n for n, _ in part.named_parameters()], vocab=data.vocab_size,
                 global_batch=args.batch, context=args.context, dtype=args.dtype, device=str(ctx.device),
                 backend=ctx.backend, world_size=ctx.world_size, pp_rank=pp_rank, dp_rank=dp_rank,
-                tp_rank=mesh["tp"].get_local_rank(), check=check)
+                tp_rank=tp_rank, check=check, bug=bug)
 
     per_group = args.batch // args.dp
-    rows = slice(dp_rank * per_group, (dp_rank + 1) * per_group)
+    rows = slice(0, per_group) if bug == "dp_same_batch" else slice(dp_rank * per_group, (dp_rank + 1) * per_group)
     worst = {"loss_diff": 0.0, "grad_diff": 0.0}
+    recorded, ref_recorded = [], []
     for step in range(args.steps):
         start = time.perf_counter()
         x, y = data.batch("train", args.batch, args.context, seed=args.seed * 100_003 + step)
         opt.zero_grad(set_to_none=True)
+        if args.record:
+            recorded.append({"params": shards(dict(part.named_parameters()))})
+            ref_recorded.append({"params": {n: p.detach().clone() for n, p in reference.named_parameters()}})
         losses = []
         kwargs = ({"target": y[rows].to(ctx.device), "losses": losses} if last else {})
         # return_outputs=False: else the last stage keeps every micro-batch's logits and concatenates them at the
         # end of the step (torch 2.13's default), 2 x 16 x 2.1 GB of whole logits at Llama 3 405B's shape
         schedule.step(*((x[rows].to(ctx.device),) if first else ()), return_outputs=False, **kwargs)
-        loss = None
+        step_loss = None
         if last:  # the mean of this dp group's micro-batch losses, then over the dp groups: the global batch's
-            loss = torch.stack(losses).detach().mean()
-            dist.all_reduce(loss, group=mesh["dp"].get_group())
-            loss = loss / args.dp
+            step_loss = torch.stack(losses).detach().mean()
+            dist.all_reduce(step_loss, group=mesh["dp"].get_group())
+            step_loss = step_loss / args.dp
         record = {}
         if check:
             ref_opt.zero_grad(set_to_none=True)
@@ -588,23 +671,42 @@ def main(argv=None) -> None:
             diff, compared = grad_diff(part, reference)
             record = {"grad_diff": diff, "grads_compared": compared, "ref_loss": ref_loss.item()}
             if last:
-                record["loss_diff"] = abs(loss.item() - ref_loss.item())
+                record["loss_diff"] = abs(step_loss.item() - ref_loss.item())
             for key in worst:
                 worst[key] = max(worst[key], record.get(key, 0.0))
+            if args.record:
+                recorded[-1].update(loss=step_loss.item() if last else None,
+                                    grads=shards({n: p.grad for n, p in part.named_parameters()}))
+                ref_recorded[-1].update(loss=ref_loss.item(), grads={n: p.grad.detach().clone()
+                                                                    for n, p in reference.named_parameters()})
             ref_opt.step()
         opt.step()
-        runtime.log(step=step, total=args.steps, loss=runtime.value(loss) if last else None,
-                    seconds=time.perf_counter() - start, **record)
-    runtime.log(summary=True, checked=check, tol=args.tol, **({f"max_{k}": v for k, v in worst.items()} if check
-                                                               else {}))
-    if check and max(worst.values()) > args.tol:
-        raise AssertionError(f"rank {ctx.rank} (pp {pp_rank}): differs from one process: {worst} > {args.tol}")
+        runtime.log(step=step, total=args.steps, loss=runtime.value(step_loss) if last else None,
+                    seconds=time.perf_counter() - start, bug=bug, **record)
+    if args.record:
+        write_record(Path(args.record), bug, ctx.rank, mesh, recorded, ref_recorded)
+    ok = not check or max(worst.values()) <= args.tol
+    runtime.log(summary=True, checked=check, tol=args.tol, bug=bug, ok=ok,
+                **({f"max_{k}": v for k, v in worst.items()} if check else {}))
     if ctx.rank == ctx.world_size - 1 and not runtime.dry_run():
         print(f"pp={args.pp} dp={args.dp} tp={args.tp} ({args.schedule}, {args.micro} micro-batches) on "
-              f"{ctx.world_size} rank(s), {args.dtype}: final loss {runtime.value(loss):.4f}"
+              f"{ctx.world_size} rank(s), {args.dtype}" + (f", bug {bug}" if bug != "none" else "")
+              + f": final loss {runtime.value(step_loss):.4f}"
               + (f"; largest difference from one process: loss {worst['loss_diff']:.1e}, gradients "
                  f"{worst['grad_diff']:.1e}" if check else ""), flush=True)
-    runtime.teardown()
+    return ok or bug != "none"  # a bug is meant to differ: only the right run fails the job
+
+
+def write_record(folder: Path, bug: str, rank: int, mesh, steps: list, ref_steps: list) -> None:
+    """DIR/<bug>/rank<r>.pt: {"coords": {dim: this rank's index}, "mesh": {dim: size}, "steps": [{"loss" (the last
+    stage's, else None), "params", "grads": {name: {"offset", "value"}}}]}; rank 0 adds DIR/reference.pt, the one
+    process's {"steps": [{"loss", "params", "grads": {name: whole tensor}}]}, parameters in the model's order."""
+    (folder / bug).mkdir(parents=True, exist_ok=True)
+    dims = mesh.mesh_dim_names
+    torch.save({"coords": {d: mesh[d].get_local_rank() for d in dims}, "mesh": dict(zip(dims, mesh.shape)),
+                "steps": steps}, folder / bug / f"rank{rank}.pt")
+    if rank == 0:
+        torch.save({"steps": ref_steps}, folder / "reference.pt")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """What a training run's records say, and the two assumptions behind the linear scaling rule, measured
-(chapter 04: large batches).
+(chapter 04: large batches); the arithmetic of a run's data and time: what DistributedSampler gives each rank
+(chapters 02, 04), steps against examples around the critical batch (McCandlish et al. 2018), and how often to
+checkpoint a job that fails (chapter 08).
 
     from gpucourse.models import training
     runs = training.curves(result.metrics[0])          # {rule: {"header": {...}, "points": [records]}}
@@ -8,6 +10,7 @@
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where it is used: chapters' tables read records only
@@ -111,3 +114,74 @@ def sgd_assumptions(make_model, states: dict, data, batches: list[int], *, lr: f
         measured[where] = {"g2": g2, "b_noise": b_noise, "trace": trace, "noise_scale": trace / g2,
                            "ks": {k: k_steps_vs_one(net, data, k, lr, batches[0], generator=generator) for k in ks}}
     return measured
+
+
+# --- the data each rank reads: DistributedSampler's arithmetic (chapters 02 and 04) ---------------------
+def _whole(value, name, low=1):
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+        raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
+
+
+def sampler_shard(items: int, world_size: int, *, drop_last: bool = False) -> dict:
+    """What torch's DistributedSampler gives each of `world_size` ranks in one epoch of `items` samples:
+    {"per_rank": samples each rank reads, "padded": indices read twice (repeated from the start of the
+    permutation so that every rank reads as many), "dropped": samples no rank reads (drop_last=True)}.
+    Without drop_last, per_rank = ceil(items / N); with it, floor(items / N) (torch's ceil((items - N) / N))."""
+    _whole(items, "items")
+    _whole(world_size, "world_size")
+    per_rank = items // world_size if drop_last else math.ceil(items / world_size)
+    total = per_rank * world_size
+    return {"per_rank": per_rank, "padded": max(total - items, 0), "dropped": max(items - total, 0)}
+
+
+def steps_per_epoch(items: int, batch_per_rank: int, world_size: int, *, drop_last: bool = False) -> int:
+    """Optimizer steps in one epoch of DDP: each rank's DataLoader (batch_size = batch_per_rank, its last
+    batch kept) over that rank's DistributedSampler shard (sampler_shard). The global batch is
+    batch_per_rank x world_size: N ranks take N times fewer steps an epoch than one."""
+    _whole(batch_per_rank, "batch_per_rank")
+    return math.ceil(sampler_shard(items, world_size, drop_last=drop_last)["per_rank"] / batch_per_rank)
+
+
+# --- steps against examples: the critical batch (McCandlish et al. 2018, arXiv 1812.06162) ----------------
+def batch_tradeoff(batch: float, critical_batch: float) -> dict:
+    """Steps and examples a run at a fixed `batch` needs to reach a given loss, over their minimums:
+    {"steps": S / S_min = 1 + B_crit / B, "examples": E / E_min = 1 + B / B_crit}, the two sides of
+    McCandlish et al.'s (S/S_min - 1)(E/E_min - 1) = 1 (their eq. 2.11), with B_crit = E_min / S_min about the
+    gradient noise scale (B_noise = tr(Sigma) / |G|^2, what chapter 04 measures). Far below B_crit a k times
+    larger batch takes about k times fewer steps (the linear scaling rule's regime); far above, hardly fewer."""
+    for value, name in ((batch, "batch"), (critical_batch, "critical_batch")):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0 (samples), got {value!r}")
+    return {"steps": 1 + critical_batch / batch, "examples": 1 + batch / critical_batch}
+
+
+# --- failures and checkpoints (chapter 08) ---------------------------------------------------------------
+def mean_time_between_failures(seconds: float, failures: int) -> float:
+    """The mean time between failures of a job (seconds) from a record: `failures` interruptions in `seconds`
+    of running (Llama 3 405B: 419 unexpected interruptions in a 54-day snapshot on 16,384 GPUs)."""
+    if not seconds > 0:
+        raise ValueError(f"seconds must be > 0, got {seconds!r}")
+    _whole(failures, "failures")
+    return seconds / failures
+
+
+def young_daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """The checkpoint interval (seconds of work between checkpoints) that loses the least time, to first order:
+    sqrt(2 C M) for a checkpoint that takes C seconds and failures M seconds apart on average (Young, CACM 1974;
+    Daly, FGCS 2006, gives higher-order terms). It minimises checkpoint_overhead's first two terms,
+    C / tau + tau / (2 M): checkpointing more often pays C more often, less often loses more work per failure."""
+    if not checkpoint_s >= 0 or not mtbf_s > 0:
+        raise ValueError(f"checkpoint_s must be >= 0 and mtbf_s > 0, got {checkpoint_s!r}, {mtbf_s!r}")
+    return math.sqrt(2 * checkpoint_s * mtbf_s)
+
+
+def checkpoint_overhead(interval_s: float, checkpoint_s: float, mtbf_s: float, restart_s: float = 0.0) -> dict:
+    """The share of a job's time lost to checkpoints and failures, first order (failures rare against the
+    interval): {"saving": C / tau (the job stops to save every tau seconds of work), "rework": (tau / 2) / M
+    (a failure loses half an interval of work on average), "restart": R / M, "total": their sum}. A checkpoint
+    saved asynchronously (dcp.async_save) costs less than C: pass what the training loop waits."""
+    if not interval_s > 0 or not mtbf_s > 0 or not checkpoint_s >= 0 or not restart_s >= 0:
+        raise ValueError("interval_s and mtbf_s must be > 0, checkpoint_s and restart_s >= 0, got "
+                         f"{interval_s!r}, {mtbf_s!r}, {checkpoint_s!r}, {restart_s!r}")
+    parts = {"saving": checkpoint_s / interval_s, "rework": interval_s / 2 / mtbf_s, "restart": restart_s / mtbf_s}
+    return {**parts, "total": sum(parts.values())}

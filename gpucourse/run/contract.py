@@ -56,7 +56,7 @@ STORE_PREFIX_ENV = "GPUCOURSE_STORE_PREFIX"
 # the script ends.
 DRYRUN_ENV = "GPUCOURSE_DRYRUN"
 # With DRYRUN_ENV, FAKE_TENSORS_ENV=1 makes every tensor the rank makes after setup() a FakeTensor: shapes, dtypes
-# and devices, no storage (run/runtime.py's _enter_fake_tensors).
+# and devices, no storage (run/dryrun.py's enter_fake_tensors).
 FAKE_TENSORS_ENV = "GPUCOURSE_FAKE_TENSORS"
 COUNT_FILE_ENV = "GPUCOURSE_COUNT_FILE"
 

@@ -42,7 +42,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .contract import EVENT_SETUP, EVENT_TEARDOWN, metrics_file
+from .contract import EVENT_SETUP, EVENT_TEARDOWN, manifest_file, metrics_file
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_ENTRIES = 2000  # collectives kept per rank: a few steps of a large model's FSDP traffic
@@ -318,7 +318,7 @@ def diagnose(run_dir: str | Path, world: int | None = None, exits: dict[int, int
     The world size is read from the run's manifest unless given."""
     run_dir = Path(run_dir)
     if world is None:
-        world = int(json.loads((run_dir / "manifest.json").read_text()).get("world_size", 0))
+        world = int(json.loads(manifest_file(run_dir).read_text()).get("world_size", 0))
     exits = exits or {}
     dumps, stacks = _load(run_dir, world)
     if not dumps:

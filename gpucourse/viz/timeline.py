@@ -7,7 +7,7 @@
     timeline.breakdown_plot(a)       # mean step per rank: compute | overlapped comm | exposed comm | other
     timeline.step_time_plot(a)       # spread of step times per rank
     timeline.scaling_plot({1: 410.0, 2: 760.0, 4: 1310.0}, mode="strong")  # measured: throughput, efficiency
-    timeline.throughput_efficiency_plot({"modelled": widgets.simulate(...)})  # the same chart, of any rows
+    timeline.throughput_efficiency_plot({"modelled": scaling.simulate(...)})  # the same chart, of any rows
 
 Every function returns a matplotlib Figure built without pyplot (a notebook shows it once, and nothing is left
 in pyplot's global state); pass ax= to draw into an axes of your own. Titles name the run, device, backend
@@ -272,7 +272,7 @@ def throughput_efficiency_plot(curves: dict, *, unit: str = "samples/s", log: bo
                                vlines: dict | None = None, measured: dict | None = None):
     """Throughput and efficiency against world size N: the course's one scaling chart, measured or modelled.
 
-    curves: {label: rows}, rows [{"world_size", "throughput", "efficiency"}] as widgets.simulate returns them;
+    curves: {label: rows}, rows [{"world_size", "throughput", "efficiency"}] as models.scaling.simulate returns them;
     "throughput_min" and "throughput_max" in a row (repeats) draw error bars. Each curve gets its ideal: linear
     from its first row. log: log axes (world sizes in powers of two). vlines: {label: N}, a dotted line in that
     curve's colour (the simulator's turning points). measured: {N: efficiency} drawn as dots over modelled

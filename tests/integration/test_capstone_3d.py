@@ -1,28 +1,27 @@
 """The 3-D capstone (scripts/13_gpt_3d.py): pipeline x FSDP x tensor parallel at world 8 (2 x 2 x 2, gloo, float64)
 computes what one process computes, and communicates what the formulas say, per process group.
 
-One launch, shared by every test here, with the course's counter on ($GPUCOURSE_COUNT_FILE: each rank's
-collectives and point-to-point calls of the last step, by op and process group). The script itself trains the
-one-process model beside the 3-D one and compares every step's loss and every gradient (its own shard of it).
-Then a fake-tensor dry run of its first and last ranks, held to the same counts.
+The run is chapter 13's own (its smoke run, which CI executes anyway: `smoke_chapter`), with the course's counter
+on ($GPUCOURSE_COUNT_FILE: each rank's collectives and point-to-point calls of the last step, by op and process
+group); its arguments are checked to be these tests'. The script itself trains the one-process model beside the
+3-D one and compares every step's loss and every gradient (its own shard of it). Then a fake-tensor dry run of its
+first and last ranks, held to the same counts.
 """
 import importlib.util
 import json
 
 import pytest
 
-import gpucourse
-from gpucourse.run.contract import COUNT_FILE_ENV
+from tests.conftest import ROOT, chapter, chapter_run
 
-from tests.conftest import ROOT
-
+CHAPTER = ROOT / "notebooks" / "13_3d_parallel_and_silent_bugs.ipynb"
 SCRIPT = ROOT / "scripts" / "13_gpt_3d.py"
 PP, DP, TP, MICRO, STEPS = 2, 2, 2, 2, 2
 LAYERS, D_MODEL, HEADS, CONTEXT, BATCH = 2, 32, 2, 16, 8
 ARGS = ["--pp", PP, "--dp", DP, "--tp", TP, "--micro", MICRO, "--steps", STEPS, "--layers", LAYERS,
         "--d-model", D_MODEL, "--heads", HEADS, "--context", CONTEXT, "--batch", BATCH, "--schedule", "1f1b"]
 WORLD = PP * DP * TP
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), *chapter(CHAPTER.stem)]  # one worker runs the chapter, once
 
 
 def load_script():
@@ -32,15 +31,16 @@ def load_script():
     return module
 
 
-def launch_3d(_job):
-    return gpucourse.launch(SCRIPT, nproc=WORLD, args=[str(a) for a in ARGS], live="off", timeout=600, check=False,
-                            name="capstone-3d", env={"OMP_NUM_THREADS": "1", COUNT_FILE_ENV: "counts/rank{rank}.json"})
-
-
 @pytest.fixture(scope="module")
-def run(launched):
-    (res,) = launched(launch_3d, "2x2x2")
+def run(smoke_chapter):
+    result, runs = smoke_chapter(CHAPTER)
+    assert result.status == "ok", f"chapter 13 failed in cell {result.failing_cell}: {result.error}"
+    res = chapter_run(runs, "13-gpt-3d")
     assert res.ok, f"{res.run_dir.name}: {res.error.summary if res.error else res.status}"
+    given = json.loads((res.run_dir / "manifest.json").read_text())["args"]
+    pairs, ours = dict(zip(given[::2], given[1::2])), {str(k): str(v) for k, v in zip(ARGS[::2], ARGS[1::2])}
+    assert ours.items() <= pairs.items(), f"chapter 13's run is not these tests' sizes: {given}"
+    assert (res.run_dir / "counts" / "rank0.json").exists(), "chapter 13's run no longer counts its collectives"
     return res
 
 

@@ -93,7 +93,7 @@ def test_the_solution_graded_after_its_mutants_keeps_full_marks(name, graded_bat
 # --- the judges, on recorded results: no run -------------------------------------------------------------------------
 SAVE_NO_RAW = {"ex03_predict_scaling", "ex04_lr_schedule",  # their ranks record plain values, no tensors
                "ex12_plan_at_scale",
-               "ex08_read_the_dumps"}  # runs no code of the learner's in the ranks: its answers never reach a file
+               "ex08_read_the_dumps", "ex13_silent_bugs"}  # run no learner's code in the ranks: no answer in a file
 
 
 def _forged_copy(batch: Path, into: Path) -> int:

@@ -216,7 +216,7 @@ def test_a_renamed_copy_of_a_solution_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# The search ex12's grader held before it stored the best MFU per case (issue 43): the exercise's answer, shipped.
+# The search ex12's grader held before it stored the best MFU per case: the exercise's answer, shipped.
 GRADER_SEARCH = """
 
 def best_plan(case):

@@ -5,8 +5,8 @@ and plain FSDP at world 2, each for AFTER = 20 steps as at the chapter's default
 loader's state dropped, and a plain torch.save of each rank's shards loaded at world 2."""
 import pytest
 
+from gpucourse.chapters import ch08
 from gpucourse.tools.course import smoke_parameters
-from gpucourse.viz import tables
 
 from tests.conftest import ROOT, chapter, chapter_run
 
@@ -40,7 +40,7 @@ def test_resumed_on_another_layout_equals_the_uninterrupted_run(runs, name):
     assert f"resumed step {SAVE_AT} under {layout} at world {ranks}" in res.log(0)
     for rank in range(ranks):  # every rank logs the global batch's loss and ids: all must agree
         assert [m["step"] for m in res.metrics[rank] if "loss" in m] == list(range(SAVE_AT + 1, STEPS))
-    row = tables.reshard(ref.metrics[0], {name: res.metrics[0]}, SAVE_AT).loc[name]
+    row = ch08.reshard(ref.metrics[0], {name: res.metrics[0]}, SAVE_AT).loc[name]
     assert row["world"] == ranks and row["layout"] == layout and row["steps after the save"] == AFTER
     assert row["max |loss − uninterrupted|"] <= 1e-10
     assert row["steps with the same sample ids"] == AFTER
@@ -55,7 +55,7 @@ def test_the_uninterrupted_run_sees_each_sample_once_in_a_shuffled_order(runs):
 def test_resuming_without_the_loader_state_repeats_samples(runs):
     res, ref = runs["drop-loader-state"], runs["reference"]
     assert res.ok, res.summary()
-    row = tables.reshard(ref.metrics[0], {"dropped": res.metrics[0]}, SAVE_AT).loc["dropped"]
+    row = ch08.reshard(ref.metrics[0], {"dropped": res.metrics[0]}, SAVE_AT).loc["dropped"]
     # The loader starts again at sample 0: the first SAVE_AT + 1 batches are trained on twice, and as many samples
     # at the end are never reached.
     assert row["samples repeated"] == (SAVE_AT + 1) * BATCH == row["samples skipped"]

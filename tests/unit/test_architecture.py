@@ -1,7 +1,8 @@
 """The package's import graph, read from its source with `ast` (nothing is imported).
 
 Imports go one way: no cycle among gpucourse's modules, counting the imports made inside functions; every module
-sits in one of four layers (LAYERS: run, models, viz, tools) and imports from its own layer and lower ones only.
+sits in one of five layers (LAYERS: run, models, viz, chapters, tools) and imports from its own layer and lower ones
+only; a chapter's module never imports another chapter's.
 And no module uses another module's private names (`from .x import _y`, or `x._y`); a private module (`_name.py`)
 may be imported from inside its own package only.
 """
@@ -147,9 +148,10 @@ def test_no_module_uses_another_modules_private_names(package):
                      "lowest module that both can import):\n" + "\n".join(bad))
 
 
-# The package's four layers, lowest first, one folder each (gpucourse/<layer>/); a module may import its own
-# layer's modules and lower ones only. What each owns: gpucourse/__init__.py and docs/architecture.md.
-LAYERS = ("run", "models", "viz", "tools")
+# The package's five layers, lowest first, one folder each (gpucourse/<layer>/); a module may import its own
+# layer's modules and lower ones only (chapters: lower ones only). What each owns: gpucourse/__init__.py and
+# docs/architecture.md.
+LAYERS = ("run", "models", "viz", "chapters", "tools")
 
 
 def layer_of(module: str) -> str | None:
@@ -211,3 +213,31 @@ def test_the_package_imports_its_modules_by_their_layer_path():
         "gpucourse/run/x.py line 1: import gpucourse.costs", "gpucourse/run/x.py line 2: from gpucourse.plots import ..."]
     bad = short_alias_imports(read_package())
     assert not bad, "inside the package, import a module by its layer path (gpucourse.models.costs):\n" + "\n".join(bad)
+
+
+def chapter_cross_imports(used_by: dict) -> list[str]:
+    """'importer line N -> module' for every chapter module importing another chapter's module: what two chapters
+    show is shared, and goes down into viz/."""
+    return [f"{me} line {line} -> {target}" for me, used in used_by.items() if layer_of(me) == "chapters"
+            for target, _, line in used if layer_of(target) == "chapters" and target != "gpucourse.chapters"]
+
+
+def test_a_chapters_module_imports_no_other_chapters():
+    sources = {"gpucourse/__init__.py": "", "gpucourse/chapters/__init__.py": "",
+               "gpucourse/chapters/ch05.py": "from ..viz import tables\n",
+               "gpucourse/chapters/ch07.py": "from . import ch05\n", "gpucourse/viz/tables.py": ""}
+    assert chapter_cross_imports(uses(sources)) == ["gpucourse.chapters.ch07 line 1 -> gpucourse.chapters.ch05"]
+    assert not upward_imports(uses(sources))  # the layer check alone would let it pass
+    bad = chapter_cross_imports(uses(read_package()))
+    assert not bad, "a chapter's module imports another chapter's (move what both show into viz/):\n" + "\n".join(bad)
+
+
+# viz/ keeps what several chapters share; a table or figure of one chapter lives in gpucourse/chapters/chNN.py.
+SHARED_MODULE_LINES = {"gpucourse/viz/tables.py": 400, "gpucourse/viz/plots.py": 400}
+
+
+def test_the_shared_tables_and_figures_stay_short():
+    long = {path: len((ROOT / path).read_text().splitlines()) for path in SHARED_MODULE_LINES}
+    over = {path: n for path, n in long.items() if n > SHARED_MODULE_LINES[path]}
+    assert not over, (f"{over} lines: at most {SHARED_MODULE_LINES}; move what one chapter shows into its module, "
+                      "gpucourse/chapters/chNN.py")

@@ -72,7 +72,8 @@ def test_every_chapter_has_one_row_in_order(page):
 
 
 def test_the_add_a_chapter_recipe_holds():
-    """docs/architecture.md's recipe: the helpers it names exist, and the GPU run names every chapter."""
+    """docs/architecture.md's recipe: the helpers it names exist, the GPU run names every chapter, and a chapter's
+    module goes where the recipe says, each listed in the layers table."""
     recipe = (ROOT / "docs" / "architecture.md").read_text().split("## Add a chapter")[1].split("\n## ")[0]
     assert "gpucourse.tools.colab.add_start_cell" in recipe and "`parameters`" in recipe and "metadata.gpucourse.smoke" in recipe
     assert callable(importlib.import_module("gpucourse.tools.colab").add_start_cell)
@@ -82,3 +83,10 @@ def test_the_add_a_chapter_recipe_holds():
     listed = {n for line in re.findall(r"--notebook(?:s default)? ((?:\d\d[a-z]? ?)+)", gpu_run) for n in line.split()}
     missing = [chapter_key(p) for p in find_notebooks() if not any(p.stem.startswith(n) for n in listed)]
     assert not missing, f"docs/gpu-run.sh runs no chapter {missing} on a GPU: add it to its --notebook lists"
+    # step 3: a chapter's own tables and figures go in its module, which the layers table lists
+    assert "`gpucourse/chapters/`" in recipe and "from gpucourse.chapters import ch13" in recipe
+    layers = (ROOT / "docs" / "architecture.md").read_text().split("## Layers")[1].split("\n## ")[0]
+    row = next(line for line in layers.splitlines() if line.startswith("| `gpucourse/chapters/` |"))
+    listed = re.findall(r"`(ch\d\d[a-z]?)`", row.split("|")[2])
+    modules = sorted(p.stem for p in (ROOT / "gpucourse" / "chapters").glob("ch*.py"))
+    assert sorted(listed) == modules, f"docs/architecture.md's layers table lists {listed}; the chapter modules: {modules}"

@@ -1,10 +1,11 @@
 """Chapter 12's planner (models/planner.py): memory per GPU and a step-time estimate for a layout, every term shown;
-the published runs it is read against (models/published.py); the tables and the figure that show a plan."""
+the published runs it is read against (models/published.py). The tables and the figure that show a plan:
+tests/unit/chapters/test_ch12.py."""
 import pytest
 
 from gpucourse import costs
+from gpucourse.chapters import ch12
 from gpucourse.models import planner, published
-from gpucourse.viz import plots, tables
 
 GiB = 2 ** 30
 
@@ -173,41 +174,10 @@ def test_published_runs_are_reproduced_within_15_percent_with_one_set_of_constan
     mega = readings["Megatron-LM 1T (Narayanan et al. 2021)"]
     assert mega["reported"]["tflops_per_gpu"] == 163 and 0.36 < mega["reported_mfu"] < 0.42
     assert [readings[n]["reported_mfu"] for n in published.PUBLISHED if "Llama" in n] == [0.43, 0.41, 0.38]
-    df = tables.published_runs(list(readings.values()))
+    df = ch12.published_runs(list(readings.values()))
     assert list(df["modelled / reported"]) == [round(r, 2) for r in ratios.values()]
     with pytest.raises(ValueError, match="unknown published run"):
         published.read_published("GPT-5")
-
-
-def test_plan_tables_and_figure_label_everything_modelled():
-    plan = planner.plan_parallelism("llama3-405b", gpus=16384, dp=128, tp=8, pp=16, seq=8192, global_batch=2048)
-    df = tables.plan_memory(plan)
-    assert list(df.index) == ["first", "last"] and df.index.name == "stage (modelled)"
-    assert df.loc["first", "total (GiB)"] == round(plan["stages"][0]["total"] / GiB, 1)
-    terms = tables.step_terms(plan)
-    assert terms["seconds a step"].sum() == pytest.approx(plan["step_s"], abs=0.01)
-    fig = plots.plan_plot(plan)
-    texts = [ax.get_ylabel() + ax.get_xlabel() + ax.get_title() for ax in fig.axes] + [fig._suptitle.get_text()]
-    assert all("modelled" in t or "estimate" in t or t.startswith(("fits", "does NOT")) for t in texts)
-    assert "modelled, not run" in fig._suptitle.get_text()
-
-
-def test_dry_run_tables_show_counts_per_rank_and_group():
-    rank = {"rank": 1023, "peak_bytes": 3 * 2**20, "flops": 10,
-            "memory": {"params": 2**20, "grads": 0, "optimizer": 0, "activations": 2 * 2**20, "other": 0},
-            "comms": [{"op": "all_reduce", "group_size": 4, "group": [1020, 1021, 1022, 1023], "calls": 6,
-                       "bytes": 6 * 2**20},
-                      {"op": "all_gather_single", "group_size": 256, "group": list(range(3, 1024, 4)), "calls": 3,
-                       "bytes": 3 * 2**20}],
-            "predicted": {"step_s": 0.01, "mfu": 0.001}}
-    mem = tables.dryrun_memory({"ranks": [rank]})
-    assert mem.loc[1023, "peak (MB)"] == round(3 * 2**20 / 1e6, 2) and mem.loc[1023, "step, modelled (ms)"] == 10
-    assert mem.loc[1023, "grads (bytes)"] == 0 and "peak / 80 GB (%)" in mem  # decimal units, as the device's GB
-    comms = tables.dryrun_comms({"ranks": [rank]})
-    assert list(comms["group"]) == ["[1020, 1021, 1022, 1023]", "[3, 7, …, 1023]"]
-    assert list(comms["bytes (MiB)"]) == [6, 3]
-    real = {"rank": 1023, "comms": [dict(rank["comms"][0]), dict(rank["comms"][1], calls=2)]}
-    assert list(tables.dry_vs_real([rank], [real])["equal"]) == [True, False]
 
 
 def test_the_capstones_llama_at_llama3_405bs_widths_has_the_planners_parameters():

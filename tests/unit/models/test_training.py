@@ -59,3 +59,45 @@ def test_sgd_assumptions_measure_every_state():
     assert math.isclose(m["a"]["noise_scale"], m["a"]["trace"] / m["a"]["g2"])
     with pytest.raises(ValueError, match="batch size"):
         training.sgd_assumptions(lambda: nn.Linear(3, 2), states, (x, y), [], lr=0.1)
+
+
+@pytest.mark.parametrize("items, world, drop_last", [(11, 2, False), (11, 2, True), (50_000, 64, False),
+                                                     (50_000, 64, True), (12, 4, False), (3, 4, False)])
+def test_sampler_shard_is_torchs_distributed_sampler(items, world, drop_last):
+    from torch.utils.data.distributed import DistributedSampler
+
+    got = training.sampler_shard(items, world, drop_last=drop_last)
+    samplers = [DistributedSampler(range(items), num_replicas=world, rank=r, shuffle=False, drop_last=drop_last)
+                for r in range(world)]
+    read = [i for s in samplers for i in s]
+    assert got["per_rank"] == len(samplers[0])
+    assert got["padded"] == len(read) - len(set(read)) and got["dropped"] == items - len(set(read))
+
+
+def test_steps_per_epoch_counts_each_ranks_loader():
+    assert training.steps_per_epoch(16384, 32, 4) == 128 and training.steps_per_epoch(16384, 32, 1) == 512
+    assert training.steps_per_epoch(11, 4, 2) == 2  # 6 samples a rank: a batch of 4 and one of 2
+    with pytest.raises(ValueError, match="batch_per_rank"):
+        training.steps_per_epoch(10, 0, 2)
+
+
+def test_batch_tradeoff_is_mccandlishs_hyperbola():
+    for b in (10.0, 1000.0, 1e5):
+        t = training.batch_tradeoff(b, 1000.0)
+        assert (t["steps"] - 1) * (t["examples"] - 1) == pytest.approx(1)
+    assert training.batch_tradeoff(1000, 1000) == {"steps": 2, "examples": 2}  # at B_crit: twice each minimum
+    with pytest.raises(ValueError, match="batch"):
+        training.batch_tradeoff(0, 10)
+
+
+def test_young_daly_interval_minimises_the_time_lost():
+    c, m = 60.0, 3 * 3600.0
+    best = training.young_daly_interval(c, m)
+    assert best == pytest.approx(math.sqrt(2 * c * m))
+    lost = lambda tau: training.checkpoint_overhead(tau, c, m)["total"]  # noqa: E731
+    assert lost(best) < lost(best * 0.8) and lost(best) < lost(best * 1.25)
+    parts = training.checkpoint_overhead(best, c, m, restart_s=600)
+    assert parts["saving"] == pytest.approx(parts["rework"]) and parts["restart"] == pytest.approx(600 / m)
+    assert training.mean_time_between_failures(54 * 86400, 419) == pytest.approx(54 * 24 / 419 * 3600)
+    with pytest.raises(ValueError):
+        training.young_daly_interval(1, 0)

@@ -59,7 +59,7 @@ def test_torch_rank_prefix_becomes_the_views_own(widget_view, capsys):
     lines = [Line(1, "stderr", "[rank1]: Traceback (most recent call last):"),
              Line(1, "stderr", "[rank0]: a message about rank 0, printed by rank 1"),
              Line(1, "stderr", "[rank1] no colon: not torch's prefix")]
-    expected = ["[rank 1] Traceback (most recent call last):",  # one kind of prefix in a pane (issue 47)
+    expected = ["[rank 1] Traceback (most recent call last):",  # one kind of prefix in a pane
                 "[rank 1] [rank0]: a message about rank 0, printed by rank 1",
                 "[rank 1] [rank1] no colon: not torch's prefix"]
     widget_view.update(lines, [], "running")

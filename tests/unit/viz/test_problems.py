@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from gpucourse.models import costs, memory, planner, published
+from gpucourse.models import costs, memory, planner, published, recompute, training
 from gpucourse.viz import problems
 from gpucourse.viz.problems import base
 from gpucourse.viz.problems.base import LEVELS, Problem, parse_number, progress_file
@@ -44,6 +44,17 @@ def first_stage_states():
     return sum(plan["stages"][0]["memory"][k] for k in ("params", "grads", "optimizer"))
 
 
+CH07B = dict(batch=4, layers=4, width=64, matmul_params=4 * 12 * 64 ** 2 + 65 * 64,
+             block_matmul_params=4 * 12 * 64 ** 2)
+
+
+def mixtral_active():
+    """Mixtral 8x7B per token: attention (q, out 4096^2; k, v 4096 x 1024), router 4096 x 8, two experts of three
+    4096 x 14336 matrices, in each of 32 layers; embedding and head 32000 x 4096 each."""
+    layer = 2 * 4096 ** 2 + 2 * 4096 * 1024 + 4096 * 8 + 2 * 3 * 4096 * 14336
+    return 32 * layer + 2 * 32000 * 4096
+
+
 # Each problem's answer, in its unit, written again here straight from the course's functions with the numbers the
 # problem states: a problem whose inputs or work drift from what it asks fails here.
 WIDGET = {"layers": 32, "d_model": 4096, "ffn": 16384, "heads": 32, "kv_heads": 32, "vocab": 30522,
@@ -56,6 +67,72 @@ EXPECTED = {
     "01.gradients-all-reduce": lambda: costs.collective_time("all_reduce", 16e9, 64, 6e-6, 1 / 50e9),
     "01.your-busbw-predict": lambda: 256 * MiB * 1.5 / costs.busbw("all_reduce", 64 * MiB, 0.08, 2) / 1e-3,
     "01.your-alpha": lambda: costs.fit_alpha_beta([4096, 64 * MiB], [150e-6, 0.08], n=2).alpha / 1e-6,
+    "02.sampler-padding": lambda: 64 * 782 - 50_000,  # ceil(50,000 / 64) = 782 a rank
+    "02.steps-per-epoch": lambda: 3907,  # 125,000 a rank in batches of 32, the last one kept
+    "02.accumulation-bytes": lambda: 8 * costs.bytes_moved_per_rank("all_reduce", 1e9, 8) / 1e9,
+    "02.no-sync-saves": lambda: 7 * costs.collective_time("all_reduce", 1e9, 8, 6e-6, 1 / 50e9),
+    "02.compress-hook-bytes": lambda: costs.bytes_moved_per_rank("all_reduce", 350e6 * 2, 16) / 1e6,
+    "02.your-accumulation": lambda: 4 * 1.75 * 2_099_712 * 4 / MiB,
+    "02.audit-ddp-buckets": lambda: math.ceil(1.5e9 * 4 / (25 * MiB)),
+    "03.scaling-efficiency": lambda: 100 * 2900 / (8 * 410),
+    "03.ddp-step": lambda: costs.ddp_step_time(0.1, 1.4e9, 64, 6e-6, 1 / 50e9).step / 1e-3,
+    "03.last-bucket": lambda: costs.collective_time("all_reduce", 1.4e9 - 53 * 25 * MiB, 64, 6e-6, 1 / 50e9) / 1e-3,
+    "03.comm-bound-world": lambda: 1024,
+    "03.your-overlap-cost": lambda: (49 - 40) / 12,
+    "03.audit-megatron-76": lambda: 100 * costs.scaling_efficiency(15.1e15, 39e12, 512),
+    "04.warmup-steps": lambda: 0.5 * training.steps_per_epoch(16384, 32, 4),
+    "04.steps-over-minimum": lambda: 1 + 2000 / 512,
+    "04.fewer-steps": lambda: (1 + 2000 / 1024) / (1 + 2000 / 8192),
+    "04.your-noise-scale": lambda: (1 + 400 / 32) / (1 + 400 / 128),
+    "04.audit-goyal-warmup": lambda: 5 * math.ceil(math.ceil(1_281_167 / 256) / 32),
+    "06.all-reduce-bytes": lambda: 1.75 * 2048 * 12288 * 2 / 1e6,
+    "06.four-all-reduces": lambda: 4 * costs.collective_time("all_reduce", 2048 * 12288 * 2, 8, 3e-6, 1 / 450e9) / 1e-3,
+    "06.comm-over-compute": lambda: (4 * costs.collective_time("all_reduce", 2048 * 12288 * 2, 8, 6e-6, 1 / 50e9)
+                                     / (3 * (24 * 2048 * 12288 ** 2 + 4 * 2048 ** 2 * 12288) / 8 / 400e12)),
+    "06.weights-per-gpu": lambda: 80 * planner.shape_params("llama3-70b")["layer_dense"] * 2 / 8 / 1e9,
+    "06.your-block-bytes": lambda: 2 * 1.5 * 16384 / 1024,
+    "06.audit-dgx-links": lambda: 9.0,  # 450 GB/s one way over NVLink, 400 Gb/s = 50 GB/s over the card
+    "07b.bf16-states": lambda: 7e9 * 8 / 1e9,
+    "07b.layer-activations": lambda: 2048 * 12288 * (34 + 5 * 96 * 2048 / 12288) / 1e9,
+    "07b.full-recompute-kept": lambda: 96 * 2 * 2048 * 12288 / 1e9,
+    "07b.recompute-flops": lambda: 100 * (flops("llama3-8b", 8192, recompute="full") / flops("llama3-8b", 8192) - 1),
+    "07b.fp8-speedup": lambda: 1 / (0.3 + 0.7 / 2),
+    "07b.your-recompute-time": lambda: 30 * (recompute.expected_flops(256, "full", **CH07B)
+                                             / recompute.expected_flops(256, "none", **CH07B)),
+    "07b.audit-korthikanti-hfu": lambda: 42.1 * flops("megatron-530b", 2048, recompute="full")
+                                         / flops("megatron-530b", 2048),
+    "08.tp-across-nodes": lambda: 128 * (costs.collective_time("all_reduce", 4096 * 4096 * 2, 8, 6e-6, 1 / 50e9)
+                                         - costs.collective_time("all_reduce", 4096 * 4096 * 2, 8, 3e-6, 1 / 450e9)
+                                         ) / 1e-3,
+    "08.checkpoint-size": lambda: planner.shape_params("llama3-405b")["total"] * 14 / 1e12,
+    "08.llama3-mtbf": lambda: 54 * 24 / 419,
+    "08.young-daly-llama3": lambda: math.sqrt(2 * planner.shape_params("llama3-405b")["total"] * 14 / 2e12
+                                              * 54 * 86400 / 419) / 60,
+    "08.audit-effective-time": lambda: 100 * (2 * math.sqrt(planner.shape_params("llama3-405b")["total"] * 14 / 2e12
+                                                            / (2 * 54 * 86400 / 419)) + 600 / (54 * 86400 / 419)),
+    "08.your-redone-steps": lambda: 100 * 2.5 / 40,
+    "09.flops-per-token": lambda: (6 * (12 * 12 * 768 ** 2 + 65 * 768) + 12 * 12 * 768 * 1024) / 1e6,
+    "09.your-mfu": lambda: 100 * 400_000 * (6 * (12 * 12 * 768 ** 2 + 65 * 768) + 12 * 12 * 768 * 1024)
+                           / (8 * costs.peak_flops(H100)),
+    # a block's weights 12 d^2 and column-parallel biases (q, k, v, fc: 7 d) over tp 2; its 2 LayerNorms and the
+    # out and proj biases (6 d) whole; then FSDP over dp 2, 16 bytes a parameter
+    "09.block-states": lambda: 12 * ((12 * 768 ** 2 + 7 * 768) / 2 + 6 * 768) / 2 * 16 / 1e6,
+    "09.tp-bytes-per-step": lambda: 6 * 12 * 8 * 1024 * 768 * 4 / 1e6,  # tp 2: each rank sends the buffer once
+    "09.audit-palm-mfu": lambda: 100 * costs.mfu(costs.model_flops_per_token(540.35e9, 118, 48 * 256, 2048) * 238_300,
+                                                 n_devices=6144, peak=275e12),
+    "10.ring-bytes": lambda: 7 * 2 * 4096 * 32 * 128 * 2 / 1e6,
+    "10.ulysses-bytes": lambda: 4 * 7 / 8 * 4096 * 32 * 128 * 2 / 1e6,
+    "10.llama3-gather": lambda: 15 * 2 * 8192 * 8 * 128 * 2 / 1e6,
+    "10.hop-hides": lambda: 8 / 128 * 2 * costs.peak_flops(H100) / (2 * 50e9),
+    "10.your-ring-overlap": lambda: 128 * 2.0 / 0.5,  # compute grows as c^2, the hop as c
+    "10.audit-ulysses-constant": lambda: (15 / 16) / (7 / 8),
+    "11.capacity": lambda: costs.moe_capacity(4096, 2, 64, 1.25),
+    "11.all-to-all-bytes": lambda: 4096 * 2 * 4096 * 2 * 7 / 8 / 1e6,
+    "11.all-to-all-time": lambda: 128 * costs.collective_time("all_to_all", 4096 * 2 * 4096 * 2, 8, 6e-6,
+                                                              1 / 50e9) / 1e-3,
+    "11.overlap-chunks": lambda: 2.0 + 2 * 0.8 / 4,
+    "11.your-kept-bytes": lambda: 64 * 2 * 0.9 * 32 * 4 * 3 / 4 / 1024,
+    "11.audit-mixtral-active": lambda: mixtral_active() / 1e9,
     "05.bubble-1f1b": lambda: 100 * costs.pipeline_bubble_fraction(4, 8),
     "05.bubble-ratio": lambda: 100 * costs.pipeline_bubble_ratio(8, 32),
     "05.bubble-interleaved": lambda: 100 * costs.pipeline_bubble_fraction(4, 8, 2),
@@ -85,12 +162,14 @@ EXPECTED = {
 # Published figures the answers must agree with (the ZeRO paper's Figure 1, Llama 3's parameter count, the
 # memory calculator's preset): the course's formulas reproduce them.
 PUBLISHED_FIGURES = {"07.zero1-7b5": 31.4, "07.zero2-7b5": 16.6, "07.audit-widget-vocab": 8.03 - 6.57,
-                     "12.interleaved-bubble": 100 * 3.75 / 19.75}
+                     "12.interleaved-bubble": 100 * 3.75 / 19.75, "09.audit-palm-mfu": 46.2}
 
 
 def test_each_chapter_has_five_problems_or_more_and_three_audits_in_all():
-    for chapter in ("01", "05", "07", "12"):
+    for chapter in ("01", "02", "03", "04", "05", "06", "07", "07b", "08", "09", "10", "11", "12"):
         assert len(problems.CHAPTERS[chapter]) >= 5, chapter
+    for chapter in ("02", "03", "04", "06", "07b", "08", "09", "10", "11"):  # one of each, at least
+        assert {"your run", "audit"} <= {p.level for p in problems.CHAPTERS[chapter]}, chapter
     assert sum(p.level == "audit" for p in ALL) >= 3
     assert len({p.id for p in ALL}) == len(ALL)  # ids unique
     assert {p.level for p in ALL} == set(LEVELS)

@@ -6,7 +6,8 @@ import math
 import pytest
 
 from gpucourse import costs
-from gpucourse.viz.widgets import FITTED, run_explorer, scaling_simulator, simulate, turning_point
+from gpucourse.models.scaling import simulate, turning_point
+from gpucourse.viz.widgets import FITTED, run_explorer, scaling_simulator
 
 GB = 1e9
 

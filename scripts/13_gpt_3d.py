@@ -3,6 +3,17 @@
     torchrun --nproc-per-node 8 scripts/13_gpt_3d.py --pp 2 --dp 2 --tp 2      # 8 ranks, float64, checked
     python scripts/13_gpt_3d.py                                                  # 1 rank: pp = dp = tp = 1
     gpucourse dryrun scripts/13_gpt_3d.py --world 8 --fake-tensors -- --pp 2 --dp 2 --tp 2   # ranks 0 and 7, no peers
+    python benchmarks/dryrun_llama3_405b.py    # --arch llama at Llama 3 405B's shape, 16,384 ranks, ranks 0 and 16,383
+
+--arch llama makes it a Llama 3-style model (RMSNorm, a SwiGLU MLP of --ffn, grouped-query attention with
+--kv-heads, rotary positions and no position table, an untied head; Meta's and torchtitan's names), tensor-parallel
+by torchtitan's plan (the token embedding row-parallel over the vocabulary too); --split llama3 gives the first and
+the last stage one block fewer than the others, as Llama 3 did for the embedding's memory and the head's and loss's
+time (126 layers on 16 stages: 7, 8 x 14, 7; the Llama 3 paper, section 3.3.2, "Pipeline parallelism
+improvements"); --vocab draws random tokens from a vocabulary that large (128,256); --dtype bfloat16 holds
+parameters, gradients and Adam's states in bf16 (the planner's recipe "bf16"). The check holds for it as for the
+GPT: float64 at world 4 (pp 2 x tp 2) and 8 (pp 4 x tp 2 split 1, 2, 2, 1; pp 2 x dp 2 x tp 2), differences below
+1e-15.
 
 The mesh (init_device_mesh) has three named dimensions, ("pp", "dp", "tp"), tp innermost. A rank's number is
 pp_rank * dp * tp + dp_rank * tp + tp_rank, so the tp ranks of a group are neighbours (ranks 0-1, 2-3, ...) and the
@@ -59,6 +70,26 @@ What did not compose as-is on CPU/gloo in float64, and what is done instead (eac
     (smallest reproduction: Linear(4, 4) on a leaf x under ModTracker, then torch.autograd.grad(y, [x])). The
     counter's tracker now leaves leaf inputs alone (run/dryrun.py, LeafSafeModTracker).
 
+With --arch llama, and for the dry run at Llama 3 405B's shape:
+  - the key/value heads are not copied per query head: scaled_dot_product_attention(enable_gqa=True), whose CPU
+    kernel and FlopCounterMode both take fewer key/value heads; --tp must divide --kv-heads (each tp rank holds
+    whole key/value heads: 8 at Llama 3's shape, one a rank at tp 8).
+  - no loss parallelism: the head's logits are gathered whole (as for the GPT), so the last stage keeps the whole
+    bf16 logits and their log-softmax for one micro-batch (2 x 2.1 GB at Llama 3's shape) where Megatron-LM keeps
+    1/tp of them. And schedule.step(return_outputs=False): by default torch's schedule keeps every micro-batch's
+    output on the last stage and concatenates them at the end of the step (16 x 2.1 GB, then as much again).
+  - the rotary tables are non-persistent buffers of the model, so each stage keeps its own (4 MB at 8,192 tokens).
+  - the token embedding is row-parallel (torchtitan's plan; no position table to cut alike), but its weight's
+    gradient comes out of DTensor's backward (2.13) Replicate: the whole table's gradient on every tp rank (4.2 GB
+    at Llama 3's shape) until FSDP keeps the rank's shard; no collective, but a transient whole table.
+  - what a fake-tensor dry run counts where a GPU would differ: nn.RMSNorm in bf16 on the CPU device computes in
+    fp32 and keeps its input and product in fp32 for backward (CUDA's fused kernel keeps the bf16 input and rstd);
+    and DTensor's sequence parallelism keeps the whole gathered input of the column-parallel layers (Megatron-LM
+    keeps a 1/tp slice and gathers it again in backward): benchmarks/dryrun_llama3_405b.py says by how much.
+  - every rank still builds the whole model before keeping its stage (the check needs the same initialisation):
+    at 405 B parameters that is 810 GB of fake bf16 tensors, a few seconds, no memory; the first step's counts
+    include it, so the dry run is read at its second step (--steps 2).
+
 The model is chapter 09's (scripts/09_gpt_2d.py), copied because chapter scripts stand alone: the same blocks and
 initialisation, with the blocks in a ModuleDict and the embeddings in a module of their own so that a stage can
 drop what it does not run.
@@ -111,6 +142,19 @@ class CharData:
         windows = starts[:, None] + torch.arange(context + 1)  # indexed on the tensor: fake-tensor dry runs too
         return ids[windows[:, :-1]], ids[windows[:, 1:]]
 
+
+
+class RandomTokens:
+    """Token ids drawn uniformly from a vocabulary of `vocab_size` (--vocab: a model's real vocabulary, Llama 3's
+    128,256, without its tokenizer or data), the same on every rank for the same seed."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def batch(self, split: str, batch: int, context: int, seed: int):
+        gen = torch.Generator().manual_seed(seed + (split != "train"))
+        ids = torch.randint(self.vocab_size, (batch, context + 1), generator=gen)
+        return ids[:, :-1], ids[:, 1:]
 
 # --- the model: chapter 09's GPT, cut so that a stage keeps only its part -------------------------------
 class Attention(nn.Module):
@@ -190,16 +234,124 @@ class GPT(nn.Module):
         return x
 
 
+
+# --- or Llama's: RMSNorm, SwiGLU, grouped-query attention, rotary positions, an untied head (--arch llama) ----------
+# Meta's and torchtitan's names (wq/wk/wv/wo, w1/w2/w3, attention_norm/ffn_norm); the containers keep the GPT's
+# names (embed, blocks, ln_f, head) so that the pipeline split and the check are the same code for both.
+def rotary_tables(head_dim: int, context: int, theta: float):
+    """cos and sin of each position's angles (context, head_dim), the frequencies theta^(-2i/head_dim) repeated for
+    the two halves of a head (the rotate-half form; Meta's code rotates interleaved pairs, the same rotation of a
+    permuted head)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(context, dtype=torch.float64), inv)  # float64: positions up to 8,192 and more
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(torch.get_default_dtype()), angles.sin().to(torch.get_default_dtype())
+
+
+def rotate(x, cos, sin):
+    """Rotary position embedding of x (B, T, heads, head_dim): each pair (x_i, x_i+hd/2) turned by its angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention: kv_heads key/value heads, each shared by heads / kv_heads query heads."""
+
+    def __init__(self, d_model: int, n_heads: int, kv_heads: int):
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.wq, self.wo = nn.Linear(d_model, d_model, bias=False), nn.Linear(d_model, d_model, bias=False)
+        self.wk, self.wv = (nn.Linear(d_model, kv_heads * self.head_dim, bias=False) for _ in range(2))
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        # -1 heads: under TP a rank holds heads / tp query heads and kv_heads / tp key/value heads
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim) for proj in (self.wq, self.wk, self.wv))
+        q, k = rotate(q, cos[:T], sin[:T]), rotate(k, cos[:T], sin[:T])
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=True)  # no copy of k and v per query head
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x): three matrices, ffn wide."""
+
+    def __init__(self, d_model: int, ffn: int):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(d_model, ffn, bias=False), nn.Linear(d_model, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, d_model, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    """x + attention(rmsnorm(x)), then x + feed_forward(rmsnorm(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, kv_heads: int, ffn: int, eps: float):
+        super().__init__()
+        self.attention_norm, self.attention = nn.RMSNorm(d_model, eps=eps), GQAttention(d_model, n_heads, kv_heads)
+        self.ffn_norm, self.feed_forward = nn.RMSNorm(d_model, eps=eps), SwiGLU(d_model, ffn)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """A Llama 3-style model; like GPT, each part may be None on a pipeline stage. No position table: the rotary
+    tables are non-persistent buffers (each stage keeps them), given to every block."""
+
+    def __init__(self, vocab_size: int, context: int, d_model: int, n_heads: int, layers: int, kv_heads: int,
+                 ffn: int, rope_theta: float = 500_000.0, eps: float = 1e-5):
+        super().__init__()
+        self.context = context
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleDict({str(i): LlamaBlock(d_model, n_heads, kv_heads, ffn, eps) for i in range(layers)})
+        self.ln_f, self.head = nn.RMSNorm(d_model, eps=eps), nn.Linear(d_model, vocab_size, bias=False)
+        cos, sin = rotary_tables(d_model // n_heads, context, rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(GPT._init)
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x, self.rope_cos, self.rope_sin)
+        if self.head is not None:
+            x = self.head(self.ln_f(x))
+        return x
+
+
+def build_model(args, vocab_size: int) -> nn.Module:
+    if args.arch == "llama":
+        return Llama(vocab_size, args.context, args.d_model, args.heads, args.layers, args.kv_heads or args.heads,
+                     args.ffn or 4 * args.d_model, args.rope_theta)
+    return GPT(vocab_size, args.context, args.d_model, args.heads, args.layers)
+
+
 def loss_fn(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 # --- 1. the pipeline split ------------------------------------------------------------------------------
-def stage_part(model: GPT, stage: int, stages: int) -> GPT:
+def stage_layers(layers: int, stages: int, split: str = "even") -> list[int]:
+    """Blocks per stage. even: layers / stages each. llama3: the first and the last stage one block fewer than the
+    others, for the embedding and for the head and loss (Llama 3's 126 layers on 16 stages: 7, 8 x 14, 7; the Llama
+    3 paper, section 3.3.2, takes one layer from each to even out the first stage's memory and the last's time)."""
+    if split == "llama3" and stages > 1:
+        per = (layers + 2) // stages
+        return [per - 1] + [per] * (stages - 2) + [per - 1]
+    return [layers // stages] * stages
+
+
+def stage_part(model: GPT, stage: int, stages: int, split: str = "even") -> GPT:
     """The whole model's part that pipeline stage `stage` of `stages` runs (torchtitan's split: delete the rest)."""
     part = copy.deepcopy(model)
-    per = len(model.blocks) // stages
-    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    counts = stage_layers(len(model.blocks), stages, split)
+    start = sum(counts[:stage])
+    keep = {str(i) for i in range(start, start + counts[stage])}
     for name in [n for n in part.blocks if n not in keep]:
         del part.blocks[name]
     if stage > 0:
@@ -217,6 +369,8 @@ def apply_tp(part: GPT, tp_mesh, bug: str | None = None) -> None:
     micro-batch: forward all-gathers the sequence twice (before attention, before the MLP) and reduce-scatters
     twice (after out, after proj); backward does the opposite. The norms' weights are replicated; their gradients
     (partial sums over the tp ranks' slices) are summed by DTensor."""
+    if isinstance(part, Llama):
+        return apply_tp_llama(part, tp_mesh)
     if part.embed is not None:
         # Not tensor-parallel (see the docstring): whole tables on each tp rank; DTensor cuts the output into
         # sequence slices. Cutting it with a plain slice would be a silent bug: each tp rank's table gradient
@@ -243,6 +397,33 @@ def apply_tp(part: GPT, tp_mesh, bug: str | None = None) -> None:
             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         })
 
+
+
+def apply_tp_llama(part: "Llama", tp_mesh) -> None:
+    """torchtitan's plan for Llama (torchtitan/models/llama3/infra/parallelize.py, apply_tp), without loss
+    parallelism: the token embedding row-parallel over the vocabulary (each tp rank holds vocab / tp rows; its
+    partial output is reduce-scattered into sequence slices), the norms SequenceParallel, wq/wk/wv and w1/w3
+    column-parallel (a rank holds heads / tp query heads and kv_heads / tp key/value heads), wo and w2 row-parallel
+    reduce-scattered back to sequence slices (Shard(1)), the head column-parallel with its logits gathered whole."""
+    if part.embed is not None:
+        parallelize_module(part.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+    for block in part.blocks.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    if part.head is not None:
+        parallelize_module(part, tp_mesh, {
+            "ln_f": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        })
 
 def stage_shapes(args, stage: int, vocab: int, dtype, device) -> dict:
     """What stage `stage` receives and sends for one micro-batch, given to PipelineStage up front (its input_args,
@@ -351,10 +532,19 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--context", type=int, default=64)
+    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
+                   help="gpt: chapter 09's; llama: RMSNorm, SwiGLU, grouped-query attention, rotary positions")
+    p.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (default --heads)")
+    p.add_argument("--ffn", type=int, default=None, help="llama: SwiGLU's hidden size (default 4 x --d-model)")
+    p.add_argument("--rope-theta", type=float, default=500_000.0, help="llama: rotary base (Llama 3's)")
+    p.add_argument("--split", choices=["even", "llama3"], default="even",
+                   help="blocks per stage: even, or llama3 (the first and last stage one fewer than the others)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="random tokens from a vocabulary this large instead of the corpus's characters")
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences (split over the dp groups)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    p.add_argument("--dtype", choices=["float64", "float32", "bfloat16"], default="float64")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="train the one-process model beside it and compare (off in a dry run)")
     p.add_argument("--tol", type=float, default=1e-10, help="largest difference the check accepts")
@@ -383,11 +573,26 @@ def check_sizes(args, world_size: int) -> None:
     if args.pp * args.dp * args.tp != world_size:
         raise ValueError(f"--pp {args.pp} x --dp {args.dp} x --tp {args.tp} = {args.pp * args.dp * args.tp}, but "
                          f"the job has {world_size} ranks")
-    if args.layers % args.pp:
+    if args.split == "llama3" and args.pp > 1:
+        if (args.layers + 2) % args.pp or args.layers + 2 < 2 * args.pp:
+            raise ValueError(f"--split llama3: --pp {args.pp} must divide --layers {args.layers} + 2 (the first and "
+                             "last stage take one block fewer than the others)")
+    elif args.layers % args.pp:
         raise ValueError(f"--pp {args.pp} must divide --layers {args.layers}: each stage takes as many blocks")
     if args.heads % args.tp or args.d_model % args.heads or args.context % args.tp:
         raise ValueError(f"--tp {args.tp} must divide --heads {args.heads} and --context {args.context} (sequence "
                          f"parallelism), and --heads --d-model {args.d_model}")
+    kv_heads = args.kv_heads or args.heads
+    if args.arch == "llama" and (args.heads % kv_heads or kv_heads % args.tp):
+        raise ValueError(f"--kv-heads {kv_heads} must divide --heads {args.heads}, and --tp {args.tp} must divide "
+                         f"--kv-heads {kv_heads}: each tp rank holds whole key/value heads")
+    if args.arch == "llama" and (args.d_model // args.heads) % 2:
+        raise ValueError(f"--d-model / --heads = {args.d_model // args.heads}: rotary embeddings need an even head "
+                         "size")
+    if args.arch == "gpt" and (args.kv_heads or args.ffn):
+        raise ValueError("--kv-heads and --ffn are --arch llama's")
+    if args.arch == "llama" and args.bug != ["none"]:
+        raise ValueError("--bug is injected into the GPT (--arch gpt) only")
     if args.batch % (args.dp * args.micro):
         raise ValueError(f"--batch {args.batch} must be a multiple of --dp {args.dp} x --micro {args.micro}")
 
@@ -398,7 +603,7 @@ def main(argv=None) -> None:
     check_sizes(args, ctx.world_size)
     torch.set_num_threads(1)
     mesh = init_device_mesh(ctx.device.type, (args.pp, args.dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
-    data = CharData(args.data)
+    data = RandomTokens(args.vocab) if args.vocab else CharData(args.data)
     failed = [bug for bug in args.bug if not train(args, ctx, mesh, data, bug)]
     runtime.teardown()
     if failed:
@@ -415,10 +620,10 @@ def train(args, ctx, mesh, data, bug: str) -> bool:
     # Built in its dtype (the default dtype while it is made), not converted after: a dry run with fake tensors
     # cannot convert a module its FakeTensorMode made (torch 2.13: module.to(float64) on fake parameters fails).
     torch.set_default_dtype(dtype)
-    model = GPT(data.vocab_size, args.context, args.d_model, args.heads, args.layers).to(ctx.device)
+    model = build_model(args, data.vocab_size).to(ctx.device)
     n_params = sum(p.numel() for p in model.parameters())
     reference = copy.deepcopy(model) if check else None
-    part = stage_part(model, pp_rank, args.pp)  # 1. pipeline split
+    part = stage_part(model, pp_rank, args.pp, args.split)  # 1. pipeline split
     del model
     apply_tp(part, mesh["tp"], bug)  # 2. TP + SP
     if bug == "tp_same_seed" and args.tp > 1:
@@ -450,7 +655,9 @@ def train(args, ctx, mesh, data, bug: str) -> bool:
             ref_recorded.append({"params": {n: p.detach().clone() for n, p in reference.named_parameters()}})
         losses = []
         kwargs = ({"target": y[rows].to(ctx.device), "losses": losses} if last else {})
-        schedule.step(*((x[rows].to(ctx.device),) if first else ()), **kwargs)
+        # return_outputs=False: else the last stage keeps every micro-batch's logits and concatenates them at the
+        # end of the step (torch 2.13's default), 2 x 16 x 2.1 GB of whole logits at Llama 3 405B's shape
+        schedule.step(*((x[rows].to(ctx.device),) if first else ()), return_outputs=False, **kwargs)
         step_loss = None
         if last:  # the mean of this dp group's micro-batch losses, then over the dp groups: the global batch's
             step_loss = torch.stack(losses).detach().mean()

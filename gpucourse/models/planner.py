@@ -308,7 +308,7 @@ def collectives(s, stage, p, *, index, pp, dp, tp, m, chunks, zero, recompute, s
 def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, global_batch=None, micro_batch=1,
                      zero=1, recompute="selective", system="h100-sxm", schedule="1f1b", virtual_stages=1,
                      sequence_parallel=None, attention="flash", dropout=False, dtype="bf16", device_bytes=80 * GiB,
-                     grad_bytes=BYTES["grad"], recipe=None, vocab_parallel=True):
+                     grad_bytes=BYTES["grad"], recipe=None, vocab_parallel=True, stage_layers=None):
     """Memory per GPU and a step-time estimate for `model` (a SHAPES name or a shape dict) trained on `gpus` GPUs
     split dp x tp x pp x cp (ep inside dp x cp, MoE only), all MODELLED (module docstring).
 
@@ -323,7 +323,9 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
     (80 GiB for an "80 GB" A100 or H100). recipe: None for Megatron-LM's bytes (BYTES, grad_bytes), or one of
     costs.RECIPES (costs.recipe_bytes_per_param with Adam; activations then 4 bytes under "fp32" and "autocast",
     2 otherwise): "fp32" is what a CPU dry run holds. vocab_parallel: the embedding and the head split over tp
-    (Megatron-LM), or whole on every tp rank (the course's capstone).
+    (Megatron-LM), or whole on every tp rank (the course's capstone). stage_layers: the layers of each of the pp
+    stages (default: layers / pp each, the first layers % pp stages one more); Llama 3 gave its first and last
+    stage one layer fewer than the others (126 on 16: 7, 8 x 14, 7), as scripts/13_gpt_3d.py's --split llama3 does.
 
     Returns {"label": "modelled", "fits", "device_bytes", "peak_bytes" (tensors), "reserved_bytes" (with headroom),
     "stages": [first, last] each {"stage", "layers", "params", "states" (the sharded model states kept between
@@ -379,7 +381,10 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
     grad_bytes = state_bytes["grad"]
 
     # --- memory, first and last stage
-    per_stage = [L // pp + (1 if i < L % pp else 0) for i in range(pp)]
+    per_stage = [L // pp + (1 if i < L % pp else 0) for i in range(pp)] if stage_layers is None else list(stage_layers)
+    if len(per_stage) != pp or sum(per_stage) != L or not all(isinstance(n, int) and n >= 1 for n in per_stage):
+        raise ValueError(f"stage_layers={stage_layers!r}: give the pp={pp} stages' layers, at least 1 each, adding up "
+                         f"to the model's {L}")
     per_layer_act = activation_bytes_per_token(s, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute,
                                                attention=attention, seq=seq, dropout=dropout) * tokens * act_scale
     if experts:  # each token's activations inside the MLP exist top_k times

@@ -71,6 +71,22 @@ def test_a_layout_that_cannot_be_laid_out_is_refused_with_a_clear_error(layout, 
         planner.plan_parallelism("llama3-70b", gpus=1024, **layout)
 
 
+def test_llama3s_split_takes_a_layer_from_the_first_and_the_last_stage():
+    """Llama 3 405B on 16 stages: 7, 8 x 14, 7 layers (its paper, section 3.3.2), not the even split's 8 x 14, 7, 7.
+    The first stage then holds one layer's states and activations fewer; the last is unchanged."""
+    plan = dict(gpus=16384, dp=128, tp=8, pp=16, seq=8192, global_batch=2048, schedule="1f1b")
+    even = planner.plan_parallelism("llama3-405b", **plan)
+    llama = planner.plan_parallelism("llama3-405b", **plan, stage_layers=[7] + [8] * 14 + [7])
+    assert [st["layers"] for st in even["stages"]] == [8, 7] and [st["layers"] for st in llama["stages"]] == [7, 7]
+    layer = planner.shape_params("llama3-405b")["layer_dense"] / 8
+    assert even["stages"][0]["params"] - llama["stages"][0]["params"] == pytest.approx(layer)
+    assert even["stages"][0]["memory"]["activations"] * 7 / 8 == pytest.approx(
+        llama["stages"][0]["memory"]["activations"])
+    assert even["stages"][1] == llama["stages"][1]
+    with pytest.raises(ValueError, match="adding up to the model's 126"):
+        planner.plan_parallelism("llama3-405b", **plan, stage_layers=[8] * 16)
+
+
 def test_tp_across_nodes_and_a_pipeline_that_never_fills_are_flagged():
     wide = planner.plan_parallelism("llama3-70b", gpus=1024, dp=16, tp=16, pp=4, global_batch=16)
     assert wide["spans_nodes"]["tp"] and any("spans nodes" in w for w in wide["warnings"])
@@ -162,3 +178,35 @@ def test_published_runs_are_reproduced_within_15_percent_with_one_set_of_constan
     assert list(df["modelled / reported"]) == [round(r, 2) for r in ratios.values()]
     with pytest.raises(ValueError, match="unknown published run"):
         published.read_published("GPT-5")
+
+
+def test_the_capstones_llama_at_llama3_405bs_widths_has_the_planners_parameters():
+    """scripts/13_gpt_3d.py --arch llama at Llama 3 405B's widths (built on the meta device: no memory; 4 layers of
+    its 126, on 3 stages split as Llama 3 split its 16: one layer fewer on the first and the last) holds the
+    planner's parameters, in all and on each stage: what benchmarks/dryrun_llama3_405b.py dry-runs is the model the
+    planner counts. Llama 3's own split is [7, 8 x 14, 7]."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpt_3d", ROOT / "scripts" / "13_gpt_3d.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.stage_layers(126, 16, "llama3") == [7] + [8] * 14 + [7]
+    s = {**planner.SHAPES["llama3-405b"], "layers": 4, "norm": "rmsnorm"}
+    args = SimpleNamespace(arch="llama", context=8192, d_model=s["d_model"], heads=s["heads"], layers=s["layers"],
+                           kv_heads=s["kv_heads"], ffn=s["ffn"], rope_theta=5e5)
+    with torch.device("meta"):
+        model = script.build_model(args, s["vocab"])
+    p = planner.shape_params(s)
+    assert sum(t.numel() for t in model.parameters()) == p["total"]
+    assert script.stage_layers(4, 3, "llama3") == [1, 2, 1]
+    parts = [sum(t.numel() for t in script.stage_part(model, stage, 3, "llama3").parameters()) for stage in range(3)]
+    assert parts == [p["layer_dense"] + p["embedding"], 2 * p["layer_dense"], p["layer_dense"] + p["head"]
+                     + p["final_norm"]]
+    with pytest.raises(ValueError, match="must divide --kv-heads 8"):
+        script.check_sizes(script.parse_args(["--arch", "llama", "--tp", "16", "--dp", "1", "--heads", "16",
+                                              "--d-model", "64", "--kv-heads", "8"]), 16)

@@ -3,7 +3,7 @@
 `notebooks/12_at_scale_on_your_laptop.ipynb` imports it by its short name:
 
     from gpucourse.chapters import ch12
-    ch12.dryrun_memory(report)           # a dry run's memory per simulated rank
+    ch12.dry_vs_real(dry, real)          # the same script dry and real, per rank and group
 
 A table is a `viz.tables.Table` (`@as_table`: the course's one formatting rule, units in its headers).
 """
@@ -11,38 +11,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..viz.tables import as_table, frame
-
-
-def _group_text(group: list) -> str:
-    return str(group) if len(group) <= 4 else f"[{group[0]}, {group[1]}, …, {group[-1]}]"
-
-
-@as_table
-def dryrun_memory(report: dict, device_bytes: float = 80e9) -> pd.DataFrame:
-    """One row per simulated rank of a dry run (gpucourse.dryrun, each rank's "predicted" filled by
-    costs.dryrun_step_time): the memory peak and its parts (counted in the dry run, in decimal units as the
-    device's "80 GB" is), the peak's share of `device_bytes`, the FLOPs counted, and the step time and MFU modelled
-    on the named system."""
-    rows = []
-    for r in report["ranks"]:
-        p = r.get("predicted") or {}
-        rows.append({"rank": r["rank"], **r["memory"], "peak": r["peak_bytes"],
-                     f"peak / {device_bytes / 1e9:.0f} GB (%)": round(100 * r["peak_bytes"] / device_bytes, 6),
-                     "FLOPs counted": r["flops"],
-                     "step, modelled (ms)": round(p["step_s"] * 1e3, 3) if p else None,
-                     "MFU, modelled (%)": round(100 * p["mfu"], 4) if p and p["mfu"] is not None else None})
-    parts = [*report["ranks"][0]["memory"], "peak"] if report["ranks"] else []
-    return frame(rows, "rank", bytes_columns=parts, decimal=True)
-
-
-@as_table
-def dryrun_comms(report: dict) -> pd.DataFrame:
-    """Every collective and point-to-point call each simulated rank made in its step, by process group (its size
-    and global ranks, first and last shown): calls and bytes in nccl-tests' convention, counted."""
-    rows = [{"rank": r["rank"], "op": c["op"], "group size": c["group_size"], "group": _group_text(c["group"] or []),
-             "calls": c["calls"], "bytes": c["bytes"]} for r in report["ranks"] for c in r["comms"]]
-    return frame(rows, "rank", bytes_columns=["bytes"])
+from ..viz.tables import as_table, frame, group_text
 
 
 @as_table
@@ -54,7 +23,7 @@ def dry_vs_real(dry: list[dict], real: list[dict]) -> pd.DataFrame:
         real_by = {(c["op"], tuple(c["group"] or [])): c for c in r["comms"]}
         for c in d["comms"]:
             other = real_by.get((c["op"], tuple(c["group"] or [])), {})
-            rows.append({"rank": d["rank"], "op": c["op"], "group": _group_text(c["group"] or []),
+            rows.append({"rank": d["rank"], "op": c["op"], "group": group_text(c["group"] or []),
                          "calls, dry": c["calls"], "calls, real": other.get("calls"),
                          "bytes, dry": c["bytes"], "bytes, real": other.get("bytes"),
                          "equal": other.get("calls") == c["calls"] and other.get("bytes") == c["bytes"]})

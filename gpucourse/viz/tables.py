@@ -167,3 +167,36 @@ def trace_breakdowns(analyses: dict) -> pd.DataFrame:
     if not analyses:
         raise ValueError("no runs to show: pass {title: traces.analyze_run(...)}")
     return pd.concat({title: trace_breakdown(a) for title, a in analyses.items()}, names=["run"])
+
+
+# --- dry runs (chapters 12 and 13) ----------------------------------------------------------------------
+def group_text(group: list) -> str:
+    """A process group's global ranks, the first two and the last when it has more than 4."""
+    return str(group) if len(group) <= 4 else f"[{group[0]}, {group[1]}, …, {group[-1]}]"
+
+
+@as_table
+def dryrun_memory(report: dict, device_bytes: float = 80e9) -> pd.DataFrame:
+    """One row per simulated rank of a dry run (gpucourse.dryrun, each rank's "predicted" filled by
+    costs.dryrun_step_time): the memory peak and its parts (counted in the dry run, in decimal units as the
+    device's "80 GB" is), the peak's share of `device_bytes`, the FLOPs counted, and the step time and MFU modelled
+    on the named system."""
+    rows = []
+    for r in report["ranks"]:
+        p = r.get("predicted") or {}
+        rows.append({"rank": r["rank"], **r["memory"], "peak": r["peak_bytes"],
+                     f"peak / {device_bytes / 1e9:.0f} GB (%)": round(100 * r["peak_bytes"] / device_bytes, 6),
+                     "FLOPs counted": r["flops"],
+                     "step, modelled (ms)": round(p["step_s"] * 1e3, 3) if p else None,
+                     "MFU, modelled (%)": round(100 * p["mfu"], 4) if p and p["mfu"] is not None else None})
+    parts = [*report["ranks"][0]["memory"], "peak"] if report["ranks"] else []
+    return frame(rows, "rank", bytes_columns=parts, decimal=True)
+
+
+@as_table
+def dryrun_comms(report: dict) -> pd.DataFrame:
+    """Every collective and point-to-point call each simulated rank made in its step, by process group (its size
+    and global ranks, first and last shown): calls and bytes in nccl-tests' convention, counted."""
+    rows = [{"rank": r["rank"], "op": c["op"], "group size": c["group_size"], "group": group_text(c["group"] or []),
+             "calls": c["calls"], "bytes": c["bytes"]} for r in report["ranks"] for c in r["comms"]]
+    return frame(rows, "rank", bytes_columns=["bytes"])

@@ -4,7 +4,7 @@ import pytest
 
 from gpucourse.chapters import ch12
 from gpucourse.models import planner
-from gpucourse.viz import plots
+from gpucourse.viz import plots, tables
 
 GiB = 2 ** 30
 
@@ -30,10 +30,10 @@ def test_dry_run_tables_show_counts_per_rank_and_group():
                       {"op": "all_gather_single", "group_size": 256, "group": list(range(3, 1024, 4)), "calls": 3,
                        "bytes": 3 * 2**20}],
             "predicted": {"step_s": 0.01, "mfu": 0.001}}
-    mem = ch12.dryrun_memory({"ranks": [rank]})
+    mem = tables.dryrun_memory({"ranks": [rank]})
     assert mem.loc[1023, "peak (MB)"] == round(3 * 2**20 / 1e6, 2) and mem.loc[1023, "step, modelled (ms)"] == 10
     assert mem.loc[1023, "grads (bytes)"] == 0 and "peak / 80 GB (%)" in mem  # decimal units, as the device's GB
-    comms = ch12.dryrun_comms({"ranks": [rank]})
+    comms = tables.dryrun_comms({"ranks": [rank]})
     assert list(comms["group"]) == ["[1020, 1021, 1022, 1023]", "[3, 7, …, 1023]"]
     assert list(comms["bytes (MiB)"]) == [6, 3]
     real = {"rank": 1023, "comms": [dict(rank["comms"][0]), dict(rank["comms"][1], calls=2)]}

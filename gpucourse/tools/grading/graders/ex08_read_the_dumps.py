@@ -20,14 +20,9 @@ diagnosis would answer for it). Each call has a time limit. The injected truth s
 batch of gradings that share their launches, in the batch's folder, whose name the submission is not given).
 """
 import functools
-import json
 import os
-import pickle
 import random
 import secrets
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,6 +31,7 @@ from gpucourse.run import forensics
 from gpucourse.run.contract import DEVICE_ENV
 from gpucourse.run.launcher import launch_all
 from gpucourse.tools.exercises import course_root
+from gpucourse.tools.grading.graders._child import answers_in_child
 from gpucourse.tools.grading.plugin import SEED_ENV, TIMING_ENV
 from gpucourse.tools.grading.records import REPORT_SLACK, Batch
 
@@ -90,65 +86,12 @@ def injected(batch_folder: str | None) -> dict:
 
 
 # --- the submission, in a process of its own -----------------------------------------------------------------
-CHILD = r"""
-import json, os, pickle, signal, sys, importlib.util
-out = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)  # what the submission prints goes nowhere the answers go
-sys.modules["gpucourse"] = None  # the course's own diagnosis would answer for it
-given = pickle.load(sys.stdin.buffer)
-
-def stop(signum, frame):
-    raise TimeoutError(f"diagnose did not return within {given['limit']:g} s")
-
-def one_line(err):
-    text = f"{type(err).__name__}: {err}".strip().splitlines()
-    return (text[0] if text else type(err).__name__)[:300]
-
-signal.signal(signal.SIGALRM, stop)
-answers = []
-try:
-    signal.alarm(int(given["limit"]) + 1)
-    spec = importlib.util.spec_from_file_location("submission_ex08_dumps", given["path"])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    signal.alarm(0)
-except BaseException as err:
-    answers = [{"error": f"the submission could not be loaded: {one_line(err)}"}] * len(given["cases"])
-else:
-    for dumps, exits in given["cases"]:
-        try:
-            signal.alarm(int(given["limit"]))
-            got = module.diagnose(dumps, exits)
-            signal.alarm(0)
-            answers.append({"answer": json.loads(json.dumps(got, default=repr))})
-        except BaseException as err:
-            signal.alarm(0)
-            answers.append({"error": one_line(err)})
-out.write(json.dumps(answers))
-out.flush()
-"""
-
-
 def answers_of(submission: Path, faults: list[dict]) -> list[dict]:
-    """The submission's diagnose on every fault's dumps and exit codes, in a fresh `python -I` process:
+    """The submission's diagnose on every fault's dumps and exit codes, in a fresh `python -I` process (_child.py):
     [{"answer": ...} or {"error": one line}]."""
     limit = CALL_LIMIT_S * (REPORT_SLACK if os.environ.get(TIMING_ENV) == "report" else 1)
     cases = [(forensics.read_dumps(Path(f["run_dir"]), WORLD), dict(enumerate(f["exits"]))) for f in faults]
-    given = pickle.dumps({"path": str(submission), "cases": cases, "limit": limit})
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1"}
-    with tempfile.TemporaryDirectory(prefix="ex08-dumps-") as empty:
-        try:
-            done = subprocess.run([sys.executable, "-I", "-c", CHILD], input=given, capture_output=True, cwd=empty,
-                                  env=env, timeout=limit * (len(faults) + 2) + 10)
-            got = json.loads(done.stdout)
-        except subprocess.TimeoutExpired:
-            got = None
-        except ValueError:  # the process died before it answered (os._exit, a signal)
-            got = None
-    if not isinstance(got, list) or len(got) != len(faults):
-        return [{"error": "the submission's process ended without answering (os._exit? a crash? an endless "
-                          "loop outside diagnose?)"}] * len(faults)
-    return got
+    return answers_in_child(submission, "diagnose", cases, limit)
 
 
 @pytest.fixture(scope="module")

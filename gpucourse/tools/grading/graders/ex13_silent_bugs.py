@@ -20,12 +20,9 @@ input, shuffled and without the bugs' names; it cannot import gpucourse. Each ca
 import atexit
 import functools
 import os
-import pickle
 import random
 import secrets
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -35,6 +32,7 @@ import torch
 from gpucourse.run.contract import DEVICE_ENV
 from gpucourse.run.launcher import launch_all
 from gpucourse.tools.exercises import course_root
+from gpucourse.tools.grading.graders._child import answers_in_child
 from gpucourse.tools.grading.plugin import SEED_ENV, TIMING_ENV
 from gpucourse.tools.grading.records import REPORT_SLACK, Batch
 
@@ -102,68 +100,15 @@ def cases(folder: Path) -> tuple[dict, dict]:
 
 
 # --- the submission, in a process of its own -----------------------------------------------------------------
-CHILD = r"""
-import json, os, pickle, signal, sys, importlib.util
-out = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)  # what the submission prints goes nowhere the answers go
-sys.modules["gpucourse"] = None  # the course's own code is not the submission's
-import torch
-given = pickle.load(sys.stdin.buffer)
-
-def stop(signum, frame):
-    raise TimeoutError(f"first_divergence did not return within {given['limit']:g} s")
-
-def one_line(err):
-    text = f"{type(err).__name__}: {err}".strip().splitlines()
-    return (text[0] if text else type(err).__name__)[:300]
-
-signal.signal(signal.SIGALRM, stop)
-answers = []
-try:
-    signal.alarm(int(given["limit"]) + 1)
-    spec = importlib.util.spec_from_file_location("submission_ex13", given["path"])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    signal.alarm(0)
-except BaseException as err:
-    answers = [{"error": f"the submission could not be loaded: {one_line(err)}"}] * len(given["cases"])
-else:
-    for runs in given["cases"]:
-        try:
-            signal.alarm(int(given["limit"]))
-            got = module.first_divergence(given["reference"], runs, given["tol"])
-            signal.alarm(0)
-            answers.append({"answer": json.loads(json.dumps(got, default=repr))})
-        except BaseException as err:
-            signal.alarm(0)
-            answers.append({"error": one_line(err)})
-out.write(json.dumps(answers))
-out.flush()
-"""
-
-
 def answers_of(submission: Path, folder: Path, seed: int) -> dict:
     """{bug: {"answer": ...} or {"error": one line}}: the submission's first_divergence on every case, in a fresh
-    `python -I` process, the cases in the seed's order."""
+    `python -I` process (_child.py), the cases in the seed's order."""
     reference, runs = cases(folder)
     order = list(TRUTH)
     random.Random(seed).shuffle(order)
     limit = CALL_LIMIT_S * (REPORT_SLACK if os.environ.get(TIMING_ENV) == "report" else 1)
-    given = pickle.dumps({"path": str(submission), "reference": reference, "cases": [runs[b] for b in order],
-                          "tol": TOL, "limit": limit})
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1"}
-    with tempfile.TemporaryDirectory(prefix="ex13-") as empty:
-        try:
-            done = subprocess.run([sys.executable, "-I", "-c", CHILD], input=given, capture_output=True, cwd=empty,
-                                  env=env, timeout=limit * (len(order) + 2) + 30)
-            got = __import__("json").loads(done.stdout)
-        except subprocess.TimeoutExpired:
-            got = None
-        except ValueError:  # the process died before it answered (os._exit, a signal)
-            got = None
-    if not isinstance(got, list) or len(got) != len(order):
-        got = [{"error": "the submission's process ended without answering (os._exit? a crash? an endless loop "
-                         "outside first_divergence?)"}] * len(order)
+    got = answers_in_child(submission, "first_divergence", [(reference, runs[b], TOL) for b in order], limit,
+                           slack_s=30)  # the child imports torch to read the tensors
     return dict(zip(order, got))
 
 

@@ -554,7 +554,8 @@ def parse_args(argv=None):
                    help=f"inject a silent bug ({', '.join(BUGS)}), or none; several: trained one after the other "
                         "in the same launch")
     p.add_argument("--record", metavar="DIR", help="each rank writes its loss and its shard of every parameter "
-                   "and gradient, per step, to DIR/<bug>/rank<r>.pt; rank 0 the one process's to DIR/reference.pt")
+                   "and gradient, per step, to DIR/<bug>/rank<r>.pt; rank 0 the one process's to DIR/reference.pt "
+                   "(a relative DIR is in the run's folder)")
     args = p.parse_args(argv)
     if args.record and not args.check:
         p.error("--record writes the one process's run too: it needs --check")
@@ -684,7 +685,7 @@ def train(args, ctx, mesh, data, bug: str) -> bool:
         runtime.log(step=step, total=args.steps, loss=runtime.value(step_loss) if last else None,
                     seconds=time.perf_counter() - start, bug=bug, **record)
     if args.record:
-        write_record(Path(args.record), bug, ctx.rank, mesh, recorded, ref_recorded)
+        write_record(runtime.default_run_dir() / args.record, bug, ctx.rank, mesh, recorded, ref_recorded)
     ok = not check or max(worst.values()) <= args.tol
     runtime.log(summary=True, checked=check, tol=args.tol, bug=bug, ok=ok,
                 **({f"max_{k}": v for k, v in worst.items()} if check else {}))

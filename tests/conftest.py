@@ -169,18 +169,54 @@ BATCH_TIMEOUT_S = 3600  # the first grading of an exercise launches its whole ba
 SUBMISSIONS = Path(__file__).resolve().parent / "submissions"
 
 
+# Graders whose launches a chapter's smoke run makes anyway, at the grader's sizes: CI grades the batch on that
+# chapter's records (the same xdist worker runs both) instead of launching them again.
+CHAPTER_RECORDS = {"ex13_silent_bugs": "13_3d_parallel_and_silent_bugs"}
+
+
 def graded(exercise: str) -> list:
-    """The marks of a slow test that grades `exercise` through its batch: the batch's xdist group, and room for
-    the batch's launch."""
-    return [pytest.mark.slow, pytest.mark.xdist_group(f"grade-{exercise}"), pytest.mark.timeout(BATCH_TIMEOUT_S)]
+    """The marks of a slow test that grades `exercise` through its batch: the batch's xdist group (its chapter's,
+    where the batch reads the chapter's records), and room for the batch's launch."""
+    group = chapter(CHAPTER_RECORDS[exercise]) if exercise in CHAPTER_RECORDS else [
+        pytest.mark.xdist_group(f"grade-{exercise}")]
+    return [pytest.mark.slow, *group, pytest.mark.timeout(BATCH_TIMEOUT_S)]
+
+
+def ex13_records_from_chapter(folder: Path, smoke_chapter) -> None:
+    """Give ex13's batch chapter 13's five launches' records: the 3-D run and the three 1-D controls, each checked
+    to have the grader's arguments (the same sizes, layout and bugs; the data seed the script's default, 0)."""
+    import importlib.util
+
+    from gpucourse.tools.grading.graders import ex13_silent_bugs as grader
+
+    result, runs = smoke_chapter(ROOT / "notebooks" / f"{CHAPTER_RECORDS['ex13_silent_bugs']}.ipynb")
+    assert result.status == "ok", f"chapter 13 failed in cell {result.failing_cell}: {result.error}"
+    spec = importlib.util.spec_from_file_location("gpt_3d", grader.SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def meaning(argv):
+        args = vars(script.parse_args(argv))
+        return {**{k: v for k, v in args.items() if k != "record"}, "bug": sorted(args["bug"])}
+
+    records = folder / "ex13"
+    records.mkdir()
+    for layout in grader.LAYOUTS:
+        run = chapter_run(runs, "13-gpt-3d" if layout == "3d" else f"13-control-{layout}")
+        given = json.loads((run.run_dir / "manifest.json").read_text())["args"]
+        assert run.ok and meaning(given) == meaning(grader.job(layout, records, 0)["args"]), (
+            f"chapter 13's {run.run_dir.name} is not what ex13's grader launches: {given}")
+        (records / layout).symlink_to(run.run_dir / "records")
+    (folder / f"{grader.RECORDS_KEY}.json").write_text(json.dumps({"seed": 0, "folder": str(records), "error": None}))
 
 
 @pytest.fixture(scope="session")
-def grade_batch(tmp_path_factory):
+def grade_batch(tmp_path_factory, smoke_chapter):
     """batch(exercise) -> a folder for $GPUCOURSE_GRADE_BATCH: every grading of that exercise in this session
     (its solution, its untouched exercise, each mutant, any of SUBMISSIONS, and the solution again after them)
     shares one launch per job (gpucourse/tools/grading/records.py, Batch). Tests that use it run in the xdist
-    group `grade-<exercise>`, so one worker launches each batch; the folder is shared by the session's workers."""
+    group `grade-<exercise>` (or its chapter's: CHAPTER_RECORDS), so one worker launches each batch; the folder is
+    shared by the session's workers."""
     from gpucourse import exercises
     from gpucourse.tools.grading.plugin import BATCH_FILE
     from tests.mutants import all_mutants
@@ -211,6 +247,8 @@ def grade_batch(tmp_path_factory):
                 again.parent.mkdir()
                 again.write_text(solution.read_text())
                 files.append(again)
+                if exercise in CHAPTER_RECORDS:
+                    ex13_records_from_chapter(folder, smoke_chapter)
                 (folder / BATCH_FILE).write_text(json.dumps({"submissions": [str(f.resolve()) for f in files]}))
         return folder
 

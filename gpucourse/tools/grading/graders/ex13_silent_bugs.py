@@ -56,6 +56,7 @@ TRUTH = {
 BUGS = [b for b in TRUTH if b != "none"]
 TOL = 1e-10
 JOB_TIMEOUT_S = 300
+RECORDS_KEY = "ex13-silent-bugs"  # the batch's record of the four launches (records.Batch.once)
 CALL_LIMIT_S = 20  # one call of first_divergence; well under a second is enough
 
 
@@ -85,7 +86,7 @@ def recorded(batch_folder: str | None) -> dict:
         folder = Path(tempfile.mkdtemp(prefix="ex13-records-"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         return record(folder, seed)
-    return Batch(Path(batch_folder), []).once("ex13-silent-bugs", lambda: record(Path(batch_folder) / "ex13", seed))
+    return Batch(Path(batch_folder), []).once(RECORDS_KEY, lambda: record(Path(batch_folder) / "ex13", seed))
 
 
 def cases(folder: Path) -> tuple[dict, dict]:

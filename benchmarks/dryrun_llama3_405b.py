@@ -36,21 +36,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpucourse  # noqa: E402
 from dryrun_scale import PeakRss  # noqa: E402  (psutil sampling of the rank processes' RSS and CPU time)
-from gpucourse import costs  # noqa: E402
+from gpucourse.chapters import ch12  # noqa: E402
 from gpucourse.models import planner  # noqa: E402
 
 SCRIPT = ROOT / "scripts" / "13_gpt_3d.py"
 SHAPE = planner.SHAPES["llama3-405b"]
-TP, PP, DP, SEQ, GLOBAL_BATCH, MICRO = 8, 16, 128, 8192, 2048, 16  # Llama 3's 16M tokens a step at 8K
-WORLD = TP * PP * DP
-SPLIT = [SHAPE["layers"] // PP] + [SHAPE["layers"] // PP + 1] * (PP - 2) + [SHAPE["layers"] // PP]  # 7, 8 x 14, 7
+JOB = ch12.llama_job("llama3-405b", **ch12.LLAMA3_405B)  # the script's arguments and the planner's two plans
+TP, PP, DP, MICRO = (ch12.LLAMA3_405B[k] for k in ("tp", "pp", "dp", "micro"))
+SEQ, WORLD = ch12.LLAMA3_405B["seq"], JOB["world"]
 GOAL_S, GOAL_RSS = 120, 4e9
-ARGS = ["--arch", "llama", "--pp", PP, "--dp", DP, "--tp", TP, "--layers", SHAPE["layers"], "--split", "llama3",
-        "--d-model", SHAPE["d_model"], "--heads", SHAPE["heads"], "--kv-heads", SHAPE["kv_heads"],
-        "--ffn", SHAPE["ffn"], "--vocab", SHAPE["vocab"], "--context", SEQ, "--batch", GLOBAL_BATCH,
-        "--micro", MICRO, "--schedule", "1f1b", "--dtype", "bfloat16", "--no-check"]
-PLAN = dict(gpus=WORLD, dp=DP, tp=TP, pp=PP, seq=SEQ, global_batch=GLOBAL_BATCH, micro_batch=1, schedule="1f1b",
-            recompute="none", recipe="bf16", vocab_parallel=True, sequence_parallel=True, stage_layers=SPLIT)
 # Why a part or a group's figure differs from the planner's (what the dry run's torch does that the model,
 # Megatron-LM's implementation, does not); checked on this plan, see the report
 WHY = {
@@ -73,54 +67,17 @@ WHY = {
 }
 
 
-def group_name(size: int) -> str:
-    return {TP: "tp", DP: "dp", PP: "pp"}[size]
-
-
 def ranks_text(ranks: list[int]) -> str:
     step = ranks[1] - ranks[0] if len(ranks) > 1 else 0
     return f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] (step {step})" if len(ranks) > 3 else str(ranks)
-
-
-def counted_groups(rank: dict) -> dict:
-    """{(group, op): {"calls", "bytes", "ranks"}} of a dry-run rank's step: ops named as the planner names them.
-    A fused send + receive (batch_isend_irecv, 1F1B's steady state) is one send and one receive; the recorder counts
-    its calls, not its bytes, so each is given the message size of the stage's plain sends and receives."""
-    out, fused = {}, []
-    for c in rank["comms"]:
-        if c["op"] == "batch_isend_irecv":
-            fused.append(c)
-            continue
-        op = {"isend": "send", "irecv": "recv"}.get(c["op"], c["op"].removesuffix("_single"))
-        row = out.setdefault((group_name(c["group_size"]), op), {"calls": 0, "bytes": 0, "ranks": c["group"]})
-        row["calls"] += c["calls"]
-        row["bytes"] += c["bytes"]
-    message = next(r["bytes"] / r["calls"] for (g, op), r in out.items() if g == "pp" and r["calls"])
-    for c in fused:
-        for op in ("send", "recv"):
-            row = out.setdefault(("pp", op), {"calls": 0, "bytes": 0, "ranks": c["group"]})
-            row["calls"] += c["calls"]
-            row["bytes"] += c["calls"] * message
-    return out
-
-
-def modelled_flops(stage: dict, last: bool) -> tuple[float, float]:
-    """FLOPs of one step on one rank of `stage`: 6 N + 12 L d T a token (costs.model_flops_per_token, PaLM's
-    convention, the planner's) over the stage's matmul weights and layers on one tp rank, and 6 N + 14 L d T (what
-    FlopCounterMode counts: the flash kernel's backward recomputes the scores, 5 matmuls against 2 forward)."""
-    p = planner.shape_params(SHAPE)
-    n = (stage["layers"] * p["layer_active"] + (p["head"] if last else 0)) / TP
-    tokens = GLOBAL_BATCH // DP * SEQ
-    pal = costs.model_flops_per_token(n, stage["layers"], SHAPE["d_model"] / TP, SEQ) * tokens
-    return pal, pal + 2 * stage["layers"] * SHAPE["d_model"] / TP * SEQ * tokens
 
 
 def ratio(a, b) -> str:
     return f"{a / b:6.3f}" if b else "   -  "
 
 
-def report(rank: dict, index: int, plan1: dict, plan3: dict) -> None:
-    stage, states = plan1["stages"][index], plan3["stages"][index]["states"]
+def report(rank: dict, index: int) -> None:
+    stage, states = JOB["plan"]["stages"][index], JOB["states"]["stages"][index]["states"]
     first, last = index == 0, index == 1
     print(f"\nrank {rank['rank']}: pipeline stage {0 if first else PP - 1} of {PP}, {stage['layers']} layers"
           f"{' + the embedding' if first else ' + the final norm and the head'}; step {rank['step']} "
@@ -137,7 +94,7 @@ def report(rank: dict, index: int, plan1: dict, plan3: dict) -> None:
         got, want = rank["model_states"][part], states[part]
         print(f"    {part:32} {got / 1e6:9.2f} MB {want / 1e6:9.2f} MB {ratio(got, want):>13}")
     print("  collectives of one step, per process group (bytes in nccl-tests' convention)")
-    counted = counted_groups(rank)
+    counted = ch12.counted_groups(rank, JOB["layout"])
     planned = {(c["group"], c["op"]): c for c in stage["collectives"]}
     for key in sorted(set(counted) | set(planned), key=lambda k: ("tp", "dp", "pp").index(k[0])):
         got, want = counted.get(key, {"calls": 0, "bytes": 0, "ranks": None}), planned.get(key, {"calls": 0,
@@ -148,7 +105,7 @@ def report(rank: dict, index: int, plan1: dict, plan3: dict) -> None:
         print(f"    {key[0]} {key[1]:15} dry run {got['calls']:4} calls {got['bytes'] / 1e9:9.3f} GB | modelled "
               f"{want['calls']:4.0f} calls {want['bytes'] / 1e9:9.3f} GB | bytes {ratio(got['bytes'], want['bytes'])}"
               f"  {where}{why}")
-    pal, counter = modelled_flops(stage, last)
+    pal, counter = ch12.modelled_flops(JOB, index)
     print(f"  FLOPs of a step: dry run {rank['flops'] / 1e15:.4f} PFLOP; modelled 6N + 12LdT {pal / 1e15:.4f} "
           f"(ratio {ratio(rank['flops'], pal).strip()}), 6N + 14LdT {counter / 1e15:.4f} "
           f"(ratio {ratio(rank['flops'], counter).strip()})")
@@ -160,8 +117,6 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", help="also write the dry run's report there")
     args = parser.parse_args()
-    plan1 = planner.plan_parallelism("llama3-405b", zero=1, **PLAN)
-    plan3 = planner.plan_parallelism("llama3-405b", zero=3, **PLAN)
     load = os.getloadavg()[0]
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, load {load:.1f}: "
           f"scripts/13_gpt_3d.py as Llama 3 405B ({planner.shape_params(SHAPE)['total'] / 1e9:.1f} B parameters) "
@@ -170,7 +125,7 @@ def main() -> None:
     start = time.perf_counter()
     with PeakRss() as rss:
         result = gpucourse.dryrun(SCRIPT, world=WORLD, ranks=[0, WORLD - 1], fake_tensors=True, timeout=args.timeout,
-                                  args=[str(a) for a in ARGS] + ["--steps", str(args.steps)], json_path=args.json)
+                                  args=[*JOB["args"], "--steps", str(args.steps)], json_path=args.json)
     seconds = time.perf_counter() - start
     cpu = sorted(rss.cpu.values(), reverse=True)[:2]
     ok = seconds <= GOAL_S and rss.peak <= GOAL_RSS
@@ -179,7 +134,7 @@ def main() -> None:
           f"{rss.peak / 1e9:.2f} GB (goal <= {GOAL_RSS / 1e9:.0f} GB); load {load:.1f} -> {os.getloadavg()[0]:.1f} "
           f"-> {'met' if ok else 'MISSED'}")
     for index, rank in enumerate(result["ranks"]):
-        report(rank, index, plan1, plan3)
+        report(rank, index)
     print("\ndry run: counted in the rank's process with fake tensors, on no GPU; modelled: "
           "gpucourse.models.planner.plan_parallelism, same plan (zero=1 for the peak and collectives, zero=3 for "
           "the states between steps). Neither is a measurement.")

@@ -119,6 +119,17 @@ def shape_of(model) -> dict:
     return dict(model)
 
 
+def llama3_stage_layers(layers: int, stages: int) -> list[int]:
+    """Blocks per pipeline stage as Llama 3 split them: the first and the last stage one fewer than the others,
+    for the embedding and for the head and loss (126 layers on 16 stages: 7, 8 x 14, 7; section 3.3.2 of the
+    paper). scripts/13_gpt_3d.py --split llama3 splits the same way."""
+    per = (layers + 2) // stages
+    split = [per - 1] + [per] * (stages - 2) + [per - 1] if stages > 1 else [layers]
+    if sum(split) != layers:
+        raise ValueError(f"Llama 3's split needs the stages ({stages}) to divide the layers + 2 ({layers + 2})")
+    return split
+
+
 def shape_params(model) -> dict:
     """Parameters of a shape: {"layer_dense" (attention, and the MLP of a dense model), "layer_experts" (all the
     experts of one MoE layer, and its router), "layer_active" (what one token meets in a layer: attention and top_k

@@ -58,6 +58,9 @@ WHY = {
                    "bf16 inputs, 8,192; CUDA's fused kernel keeps bf16 input and rstd): +24,576; attention's "
                    "logsumexp: +64. The last stage keeps whole bf16 logits and their log-softmax (no loss "
                    "parallelism) where the planner counts 1/tp of fp32 logits",
+    "states": "FSDP2 cuts every parameter's first dimension in pieces of ceil(rows / dp): the last dp rank holds "
+              "what remains of the vocabulary-parallel head, 30 of its 16,032 rows a tp rank against 126 on the "
+              "others; the planner counts an even share",
     "other": "backward's temporaries (and the rotary tables, 4 MB), which the planner does not count",
     "tp": "the planner leaves out the embedding's reduce-scatter (forward) and all-gather (backward), the head's "
           "gathered input and logits and its input's reduce-scattered gradient, and the norms' weight gradients' "
@@ -92,7 +95,8 @@ def report(rank: dict, index: int) -> None:
     print("  model states between steps (FSDP's shards; modelled at zero=3)")
     for part in ("params", "grads", "optimizer"):
         got, want = rank["model_states"][part], states[part]
-        print(f"    {part:32} {got / 1e6:9.2f} MB {want / 1e6:9.2f} MB {ratio(got, want):>13}")
+        why = f"  ({WHY['states']})" if abs(got / want - 1) > 0.05 else ""
+        print(f"    {part:32} {got / 1e6:9.2f} MB {want / 1e6:9.2f} MB {ratio(got, want):>13}{why}")
     print("  collectives of one step, per process group (bytes in nccl-tests' convention)")
     counted = ch12.counted_groups(rank, JOB["layout"])
     planned = {(c["group"], c["op"]): c for c in stage["collectives"]}

@@ -139,7 +139,9 @@ run("slow", args.steps)
 forensics.dump(ctx.run_dir, ctx.rank, "after the slow phase")  # every collective's arrival time, per rank
 run("blocking", args.steps)
 run("async", args.steps)
-finish_previous()
+drain = time.perf_counter()
+finish_previous()  # the last write: it would have run beside the next steps; the loop waits for it here
+runtime.log(save="async-drain", wait_s=time.perf_counter() - drain)
 first_async = async_saves[0]  # the next steps ran while it was written: they must not leak into it
 
 # Resume: a fresh model and optimizer load the last asynchronous checkpoint and replay the steps after it.

@@ -33,8 +33,9 @@ def steps(metrics: dict, phase: str) -> dict[int, list[dict]]:
 def save_costs(metrics: dict) -> dict[str, dict]:
     """{mode: {"saves", "blocked_s" (median over ranks and saves: how long the loop stood still), "written_s" (median
     seconds from the save's start until its files were complete), "lost_s" (what the phase took beyond as many
-    healthy steps, per save, rank 0: the blocked time and the steps the writer slowed), "step_s" (median step of the
-    phase)}} for blocking and asynchronous saves."""
+    healthy steps, per save, rank 0: the blocked time and the steps the writer slowed; for asynchronous saves, with
+    the wait for the last write after the phase, which would otherwise have slowed steps after it), "step_s" (median
+    step of the phase)}} for blocking and asynchronous saves, and "healthy_step_s"."""
     healthy = median(r["step_s"] for r in steps(metrics, "healthy")[0])
     out = {}
     for mode in MODES:
@@ -43,11 +44,12 @@ def save_costs(metrics: dict) -> dict[str, dict]:
                    if r.get("save") == ("async-done" if mode == "async" else mode)]
         phase = steps(metrics, mode)[0]
         per_rank0 = sum(1 for r in metrics[0] if r.get("save") == mode)
+        drain = sum(r["wait_s"] for r in metrics[0] if r.get("save") == f"{mode}-drain")
         if not saves or not per_rank0:
             raise ValueError(f"no {mode} save in the run's records: did the run end early?")
         out[mode] = {"saves": per_rank0, "blocked_s": median(r["blocked_s"] for r in saves),
                      "written_s": median(r["upload_s"] for r in written),
-                     "lost_s": max(0.0, sum(r["step_s"] for r in phase) - healthy * len(phase)) / per_rank0,
+                     "lost_s": max(0.0, sum(r["step_s"] for r in phase) + drain - healthy * len(phase)) / per_rank0,
                      "step_s": median(r["step_s"] for r in phase)}
     return {**out, "healthy_step_s": healthy}
 

@@ -31,23 +31,35 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpucourse import runtime
 from gpucourse.run import forensics
 
+
+class Unstaged(AsyncStager):
+    """--unstaged: a stager that copies nothing; the writer thread reads the live parameters and optimizer state."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--hidden", type=int, default=1024)
 parser.add_argument("--layers", type=int, default=6)
 parser.add_argument("--batch", type=int, default=16, help="samples per rank and step")
 parser.add_argument("--warmup", type=int, default=2, help="steps before the healthy phase (first steps are slow)")
-parser.add_argument("--steps", type=int, default=8, help="steps of each phase")
+parser.add_argument("--steps", type=int, default=9, help="steps of each phase")
 parser.add_argument("--save-every", type=int, default=3)
 parser.add_argument("--slow-rank", type=int, default=1)
 parser.add_argument("--slow-s", type=float, default=0.5, help="seconds the slow rank sleeps each step")
 parser.add_argument("--ckpt-dir", default=None, help="default: <run dir>/checkpoints")
 parser.add_argument("--keep-checkpoints", action="store_true", help="else removed at the end (they are large)")
+parser.add_argument("--unstaged", action="store_true", help="the mistake: async_save hands the live tensors to its "
+                    "writer thread, no copy (the steps that follow change them while it writes)")
 args = parser.parse_args()
 
 torch.set_num_threads(1)  # two ranks on two cores: one thread each
@@ -96,26 +108,24 @@ async_saves = []  # the steps after which an asynchronous save started
 def run(phase: str, steps: int) -> None:
     global step, pending
     for i in range(steps):
-        t0, blocked, saved = time.perf_counter(), 0.0, None
-        start = time.time()
+        t0, start, saved = time.perf_counter(), time.time(), None
         train_step(model, opt, step, slow=phase == "slow")
         if phase in ("blocking", "async") and (i + 1) % args.save_every == 0:  # after each save_every steps
             saved, b0 = step, time.perf_counter()
             path = str(ckpt_dir / f"{phase}{step:05d}")
             if phase == "blocking":
-                dcp.save(state(model, opt), checkpoint_id=path)
-                runtime.log(save="blocking", at=step, blocked_s=time.perf_counter() - b0,
-                            upload_s=time.perf_counter() - b0)
+                dcp.save(state(model, opt), checkpoint_id=path)  # complete when it returns
             else:
                 finish_previous()  # the previous write must be done before a new one starts
                 done = []
-                future = dcp.async_save(state(model, opt), checkpoint_id=path, process_group=save_group)
+                future = dcp.async_save(state(model, opt), checkpoint_id=path, process_group=save_group,
+                                        async_stager=Unstaged() if args.unstaged else None)
                 future.add_done_callback(lambda _, done=done: done.append(time.perf_counter()))
                 pending = (step, future, b0, done)
                 async_saves.append(step)
             blocked = time.perf_counter() - b0
-            if phase == "async":
-                runtime.log(save="async", at=step, blocked_s=blocked)
+            written = {"upload_s": blocked} if phase == "blocking" else {}  # async: logged when its write ends
+            runtime.log(save=phase, at=step, blocked_s=blocked, **written)
         runtime.log(step=step, total=total, phase=phase, step_s=time.perf_counter() - t0, start=start,
                     end=time.time(), saved=saved, writing=pending is not None and not pending[1].done())
         step += 1
@@ -152,12 +162,11 @@ set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_d
 for s in range(first_async + 1, step):
     train_step(fresh, fresh_opt, s)
 same, worst = True, 0.0
-for (name, a), b in zip(state(model, opt)["model"].items(), state(fresh, fresh_opt)["model"].values()):
+for a, b in zip(state(model, opt)["model"].values(), state(fresh, fresh_opt)["model"].values()):
     same &= torch.equal(a, b)
     worst = max(worst, (a - b).abs().max().item())
-flat = [(k, v) for k, v in opt.state_dict()["state"].items()]
-for (k, mine), theirs in zip(flat, fresh_opt.state_dict()["state"].values()):
-    same &= all(torch.equal(mine[n], theirs[n]) for n in mine)
+for mine, theirs in zip(opt.state_dict()["state"].values(), fresh_opt.state_dict()["state"].values()):
+    same &= all(torch.equal(mine[n], theirs[n]) for n in mine)  # AdamW's step, exp_avg, exp_avg_sq
 size = sum(p.stat().st_size for p in (ckpt_dir / f"async{first_async:05d}").iterdir())
 runtime.log(resumed_from=first_async, replayed=step - 1 - first_async, bitwise_equal=bool(same), max_abs_diff=worst,
             checkpoint_bytes=size, params=sum(p.numel() for p in model.parameters()))

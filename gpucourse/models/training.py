@@ -1,7 +1,8 @@
 """What a training run's records say, and the two assumptions behind the linear scaling rule, measured
 (chapter 04: large batches); the arithmetic of a run's data and time: what DistributedSampler gives each rank
-(chapters 02, 04), steps against examples around the critical batch (McCandlish et al. 2018), and how often to
-checkpoint a job that fails (chapter 08).
+(chapters 02, 04), steps against examples around the critical batch (McCandlish et al. 2018), how often to
+checkpoint a job that fails (chapter 08) and its goodput with a blocking or an asynchronous save (chapter 08c), and
+the slow rank: the pace of a synchronous step, and the rank that sets it named from its waits (chapter 08c).
 
     from gpucourse.models import training
     runs = training.curves(result.metrics[0])          # {rule: {"header": {...}, "points": [records]}}
@@ -226,6 +227,17 @@ def synchronous_step_time(busy_s: list[float] | tuple[float, ...], sync_s: float
     if not busy_s or min(busy_s) < 0 or sync_s < 0:
         raise ValueError(f"busy_s must be non-empty and >= 0, sync_s >= 0, got {busy_s!r}, {sync_s!r}")
     return max(busy_s) + sync_s
+
+
+def expected_step_with_stragglers(step_s: float, delay_s: float, p: float, ranks: int) -> float:
+    """The mean synchronous step when each of `ranks` ranks is, independently, slowed by `delay_s` in a step with
+    probability `p` (a hiccup: a page fault, a noisy neighbour, a GPU throttling): the step is slowed whenever any
+    rank is, step_s + delay_s * (1 - (1 - p) ** ranks). One rank in a thousand hiccuping, on a thousand ranks, slows
+    most steps."""
+    _whole(ranks, "ranks")
+    if not 0 <= p <= 1 or step_s < 0 or delay_s < 0:
+        raise ValueError(f"p must be in [0, 1], step_s and delay_s >= 0, got {p!r}, {step_s!r}, {delay_s!r}")
+    return step_s + delay_s * (1 - (1 - p) ** ranks)
 
 
 def waits(arrivals: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:

@@ -179,3 +179,19 @@ def test_waits_and_rank_steps_take_the_union_of_overlapping_waits():
     assert found["extra_s"] == pytest.approx(0.51)
     with pytest.raises(ValueError, match="two ranks"):
         training.straggler(rows[:1])
+
+
+def test_a_hiccup_anywhere_slows_the_step_more_often_as_ranks_grow():
+    import random
+
+    assert training.expected_step_with_stragglers(0.1, 0.5, 0.0, 1024) == 0.1
+    assert training.expected_step_with_stragglers(0.1, 0.5, 1.0, 2) == pytest.approx(0.6)
+    assert training.expected_step_with_stragglers(0.1, 0.5, 0.01, 1) == pytest.approx(0.105)
+    at = [training.expected_step_with_stragglers(0.1, 0.5, 1e-3, n) for n in (2, 1024, 16384)]
+    assert at == sorted(at) and at[-1] == pytest.approx(0.6, abs=1e-6)
+    rng = random.Random(0)  # simulated: a step is slow when any of 64 ranks draws a hiccup
+    steps = [0.1 + 0.5 * any(rng.random() < 0.01 for _ in range(64)) for _ in range(20000)]
+    assert sum(steps) / len(steps) == pytest.approx(training.expected_step_with_stragglers(0.1, 0.5, 0.01, 64),
+                                                     rel=0.02)
+    with pytest.raises(ValueError):
+        training.expected_step_with_stragglers(0.1, 0.5, 1.5, 2)

@@ -55,7 +55,7 @@ parser.add_argument("--warmup", type=int, default=2, help="steps before the heal
 parser.add_argument("--steps", type=int, default=9, help="steps of each phase")
 parser.add_argument("--save-every", type=int, default=3)
 parser.add_argument("--slow-rank", type=int, default=1)
-parser.add_argument("--slow-s", type=float, default=0.5, help="seconds the slow rank sleeps each step")
+parser.add_argument("--slow-s", type=float, default=0.4, help="seconds the slow rank sleeps each step")
 parser.add_argument("--ckpt-dir", default=None, help="default: <run dir>/checkpoints")
 parser.add_argument("--keep-checkpoints", action="store_true", help="else removed at the end (they are large)")
 parser.add_argument("--unstaged", action="store_true", help="the mistake: async_save hands the live tensors to its "

@@ -1,7 +1,8 @@
 """What a training run's records say, and the two assumptions behind the linear scaling rule, measured
 (chapter 04: large batches); the arithmetic of a run's data and time: what DistributedSampler gives each rank
-(chapters 02, 04), steps against examples around the critical batch (McCandlish et al. 2018), and how often to
-checkpoint a job that fails (chapter 08).
+(chapters 02, 04), steps against examples around the critical batch (McCandlish et al. 2018), how often to
+checkpoint a job that fails (chapter 08) and its goodput with a blocking or an asynchronous save (chapter 08c), and
+the slow rank: the pace of a synchronous step, and the rank that sets it named from its waits (chapter 08c).
 
     from gpucourse.models import training
     runs = training.curves(result.metrics[0])          # {rule: {"header": {...}, "points": [records]}}
@@ -185,3 +186,99 @@ def checkpoint_overhead(interval_s: float, checkpoint_s: float, mtbf_s: float, r
                          f"{interval_s!r}, {mtbf_s!r}, {checkpoint_s!r}, {restart_s!r}")
     parts = {"saving": checkpoint_s / interval_s, "rework": interval_s / 2 / mtbf_s, "restart": restart_s / mtbf_s}
     return {**parts, "total": sum(parts.values())}
+
+
+# --- checkpoints that do not stop training, and slow ranks (chapter 08c) -----------------------------------
+LLAMA3_FAILURES = {"days": 54, "unexpected": 419, "gpus": 16_384}  # Grattafiori et al. 2024, section 3.3.4
+
+
+def scaled_mtbf(mtbf_s: float, gpus: int, to_gpus: int) -> float:
+    """The MTBF of a job on `to_gpus` GPUs from one measured on `gpus`, each GPU failing independently at the same
+    rate (failures per second add up over the GPUs): mtbf_s * gpus / to_gpus. Llama 3's 3.1 h on 16,384 GPUs is
+    about 5.8 years per GPU, so 5.8 years / 1,024 = 50 h on 1,024 GPUs."""
+    _whole(gpus, "gpus")
+    _whole(to_gpus, "to_gpus")
+    if not mtbf_s > 0:
+        raise ValueError(f"mtbf_s must be > 0, got {mtbf_s!r}")
+    return mtbf_s * gpus / to_gpus
+
+
+def goodput(interval_s: float, lost_s: float, mtbf_s: float, restart_s: float = 0.0, lag_s: float = 0.0) -> float:
+    """The share of a job's wall time spent on work it keeps, to first order in 1 / MTBF, checkpointing every
+    `interval_s` seconds of work. Each period is interval_s of work plus `lost_s`, what the training loop loses to
+    one save (a blocking save's whole time; an asynchronous one's staging, and the steps its writer slowed). A
+    failure, every `mtbf_s` seconds of wall time on average, costs `restart_s` plus the time since the last
+    COMPLETE checkpoint: half a period on average, plus `lag_s` when a checkpoint is complete only lag_s seconds
+    after the loop moved on (an asynchronous save's write; a failure in that window falls back to the one before):
+        goodput = interval / (interval + lost) * (1 - (restart + (interval + lost) / 2 + lag) / mtbf)
+    Its maximum over the interval is, to first order, Young's sqrt(2 * lost * mtbf) (young_daly_interval)."""
+    if not interval_s > 0 or not mtbf_s > 0 or min(lost_s, restart_s, lag_s) < 0:
+        raise ValueError("interval_s and mtbf_s must be > 0, lost_s, restart_s and lag_s >= 0, got "
+                         f"{interval_s!r}, {mtbf_s!r}, {lost_s!r}, {restart_s!r}, {lag_s!r}")
+    period = interval_s + lost_s
+    return interval_s / period * max(0.0, 1 - (restart_s + period / 2 + lag_s) / mtbf_s)
+
+
+def synchronous_step_time(busy_s: list[float] | tuple[float, ...], sync_s: float = 0.0) -> float:
+    """A synchronous data-parallel step: every rank waits in the gradient all-reduce for the last one to arrive,
+    so the slowest rank sets the pace: max(busy) + sync, busy_s holding each rank's own work (its compute, and
+    whatever slows it), sync_s the all-reduce once all have arrived. One rank slowed by d makes every rank's step
+    longer by d (less the others' slack)."""
+    if not busy_s or min(busy_s) < 0 or sync_s < 0:
+        raise ValueError(f"busy_s must be non-empty and >= 0, sync_s >= 0, got {busy_s!r}, {sync_s!r}")
+    return max(busy_s) + sync_s
+
+
+def expected_step_with_stragglers(step_s: float, delay_s: float, p: float, ranks: int) -> float:
+    """The mean synchronous step when each of `ranks` ranks is, independently, slowed by `delay_s` in a step with
+    probability `p` (a hiccup: a page fault, a noisy neighbour, a GPU throttling): the step is slowed whenever any
+    rank is, step_s + delay_s * (1 - (1 - p) ** ranks). One rank in a thousand hiccuping, on a thousand ranks, slows
+    most steps."""
+    _whole(ranks, "ranks")
+    if not 0 <= p <= 1 or step_s < 0 or delay_s < 0:
+        raise ValueError(f"p must be in [0, 1], step_s and delay_s >= 0, got {p!r}, {step_s!r}, {delay_s!r}")
+    return step_s + delay_s * (1 - (1 - p) ** ranks)
+
+
+def waits(arrivals: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+    """{sequence id: {rank: seconds it waited for the last rank to call that collective}} from when each rank called
+    it (forensics.arrivals): the last to arrive waits 0. Only collectives every rank called are kept."""
+    ranks = set().union(*arrivals.values()) if arrivals else set()
+    return {seq: {r: max(at.values()) - t for r, t in at.items()} for seq, at in arrivals.items()
+            if set(at) == ranks}
+
+
+def rank_steps(steps: dict[int, list[dict]], arrivals: dict[int, dict[int, float]]) -> list[dict]:
+    """One row per (rank, step record): its wall time `step_s`, the seconds it waited in collectives (`wait_s`: how
+    long, between the record's `start` and `end`, it had called a collective the last rank had not: a union, since
+    DDP starts a bucket's all-reduce before the previous one is done) and `busy_s`, the rest (its own work).
+    steps: {rank: its step records, each with step, step_s, start, end (time.time())}; their other keys are kept."""
+    from .traces import total, union
+
+    waited = waits(arrivals)
+    rows = []
+    for rank, records in sorted(steps.items()):
+        for rec in records:
+            w = total(union([(arrivals[seq][rank], arrivals[seq][rank] + at[rank]) for seq, at in waited.items()
+                             if rec["start"] <= arrivals[seq][rank] <= rec["end"]]))
+            rows.append({**{k: v for k, v in rec.items() if k not in ("start", "end")}, "rank": rank,
+                         "wait_s": w, "busy_s": rec["step_s"] - w})
+    return rows
+
+
+def straggler(rows: list[dict]) -> dict:
+    """The slow rank of a synchronous run, from rank_steps' rows (one phase): each rank's median own work (busy_s)
+    and wait; the rank whose work is longest, and its `slowdown` (its median busy time over the median of the
+    others' busy times) and `extra_s` (the difference: what it adds to every step). Every rank's step time is the
+    same in a synchronous job: only how long each waits tells the slow one apart."""
+    from statistics import median
+
+    ranks = sorted({r["rank"] for r in rows})
+    if len(ranks) < 2:
+        raise ValueError("a straggler needs at least two ranks' rows")
+    busy = {k: median(r["busy_s"] for r in rows if r["rank"] == k) for k in ranks}
+    wait = {k: median(r["wait_s"] for r in rows if r["rank"] == k) for k in ranks}
+    slow = max(ranks, key=busy.get)
+    others = median(busy[k] for k in ranks if k != slow)
+    return {"rank": slow, "busy_s": busy, "wait_s": wait, "extra_s": busy[slow] - others,
+            "slowdown": busy[slow] / others if others > 0 else math.inf}

@@ -26,6 +26,9 @@ and "unknown" when the dumps show none of these (every rank in the same collecti
 subgroup the hang spreads: a rank stuck in its TP group's collective leaves its DP peers waiting in theirs. Each
 rank waits in the last collective it called until every rank of that group has called it; the culprits are the
 ranks that hold others up and wait on no one, named with the first collective (in program order) held up by them.
+
+`arrivals(run_dir)` reads the same dumps of a run that did not hang: when each rank called each collective, from
+which chapter 08c finds a rank that is slow, not stuck (models.training.straggler).
 """
 from __future__ import annotations
 
@@ -225,6 +228,25 @@ def read_dumps(run_dir: Path, world: int) -> dict[int, dict | None]:
     dumps, _ = _load(Path(run_dir), world)
     return {rank: dumps.get(rank) for rank in range(world)}
 
+
+
+def arrivals(run_dir: str | Path, world: int | None = None, group: str = "default_pg") -> dict[int, dict[int, float]]:
+    """{sequence id: {rank: when it called that collective (seconds, time.time()'s clock)}} of one process group's
+    collectives (`group`: its description), from the dumps every rank left: the Flight Recorder's time_created_ns.
+    A slow rank calls each collective late; the others wait for it there (chapter 08c). Ranks on other hosts
+    need synchronised clocks for this to mean anything."""
+    run_dir = Path(run_dir)
+    if world is None:
+        world = int(json.loads(manifest_file(run_dir).read_text()).get("world_size", 0))
+    dumps, _ = _load(run_dir, world)
+    seqs, _ = _collectives(dumps, world)
+    out: dict[int, dict[int, float]] = {}
+    for rank, by_group in seqs.items():
+        for g, entries in by_group.items():
+            if g.desc == group:
+                for seq, entry in entries.items():
+                    out.setdefault(seq, {})[rank] = entry["time_created_ns"] / 1e9
+    return dict(sorted(out.items()))
 
 DEFAULT_PG = "default_pg"
 

@@ -21,9 +21,10 @@ CHECKED = [p for p in NOTEBOOKS if any(CHECK_MARK in c.source for c in _cells(p)
 
 
 # chapters whose smoke runs other tests read (test_reshard, test_restarts: 08; test_forensics: 08b;
-# test_training_through_failures: 08d; test_capstone: 09; test_context_parallel: 10; test_moe_frontier: 11;
-# test_dryrun: 12; test_capstone_3d: 13)
-SHARED = {"08_multinode_faults_hangs", "08b_hangs_and_desyncs", "08d_training_through_failures",
+# test_async_checkpoints: 08c; test_training_through_failures: 08d; test_capstone: 09; test_context_parallel: 10;
+# test_moe_frontier: 11; test_dryrun: 12; test_capstone_3d: 13)
+SHARED = {"08_multinode_faults_hangs", "08b_hangs_and_desyncs", "08c_async_checkpoints_and_slow_ranks",
+          "08d_training_through_failures",
           "09_capstone_2d_parallel", "10_context_parallel", "11_expert_parallel", "12_at_scale_on_your_laptop",
           "13_3d_parallel_and_silent_bugs"}
 

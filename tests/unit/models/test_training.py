@@ -101,3 +101,97 @@ def test_young_daly_interval_minimises_the_time_lost():
     assert training.mean_time_between_failures(54 * 86400, 419) == pytest.approx(54 * 24 / 419 * 3600)
     with pytest.raises(ValueError):
         training.young_daly_interval(1, 0)
+
+
+# --- chapter 08c: goodput, and the slow rank ------------------------------------------------------------------
+def _simulated_goodput(interval, lost, mtbf, lag, seed=0, horizon=3e6):
+    """Work kept / wall time of a job simulated failure by failure (exponential times between failures): each
+    period is `interval` of work then `lost` of saving; its checkpoint is complete `lag` after the period ends; a
+    failure rolls back to the newest complete checkpoint."""
+    import random
+
+    rng = random.Random(seed)
+    t, progress, kept, pending = 0.0, 0.0, 0.0, []
+    fail = rng.expovariate(1 / mtbf)
+    while t < horizon:
+        end = t + interval + lost
+        if fail < end:
+            kept = max([kept] + [w for at, w in pending if at <= fail])
+            t, progress, pending = fail, kept, []
+            fail = t + rng.expovariate(1 / mtbf)
+            continue
+        t, progress = end, progress + interval
+        kept = max([kept] + [w for at, w in pending if at <= t])
+        pending = [(at, w) for at, w in pending if at > t] + [(t + lag, progress)]
+    return progress / t
+
+
+@pytest.mark.parametrize("lost, lag", [(10.0, 0.0), (1.0, 30.0)])
+def test_goodput_matches_a_simulation_of_failures(lost, lag):
+    interval, mtbf = 100.0, 5000.0
+    model = training.goodput(interval, lost, mtbf, lag_s=lag)
+    assert _simulated_goodput(interval, lost, mtbf, lag) == pytest.approx(model, abs=0.01)
+
+
+def test_goodput_peaks_at_young_daly_and_a_cheaper_save_allows_a_shorter_interval():
+    mtbf = 50 * 3600.0
+    for lost in (0.2, 5.0):
+        taus = [10 ** (k / 200) for k in range(0, 1200)]
+        best = max(taus, key=lambda t: training.goodput(t, lost, mtbf))
+        assert best == pytest.approx(training.young_daly_interval(lost, mtbf), rel=0.05)
+    assert training.goodput(30.0, 0.2, mtbf) > training.goodput(30.0, 5.0, mtbf)
+    assert training.goodput(30.0, 0.2, mtbf, lag_s=10) < training.goodput(30.0, 0.2, mtbf)
+    assert training.goodput(30.0, 0.2, mtbf, restart_s=600) < training.goodput(30.0, 0.2, mtbf)
+    assert training.goodput(1e9, 0.2, mtbf) == 0.0  # never saving: every failure loses more than the MTBF
+    with pytest.raises(ValueError):
+        training.goodput(0, 1, 1)
+    with pytest.raises(ValueError):
+        training.goodput(1, -1, 1)
+
+
+def test_scaled_mtbf_divides_llama3s_by_the_gpu_ratio():
+    f = training.LLAMA3_FAILURES
+    llama = training.mean_time_between_failures(f["days"] * 86400, f["unexpected"])
+    assert llama / 3600 == pytest.approx(3.093, abs=1e-3)
+    assert training.scaled_mtbf(llama, f["gpus"], 1024) == pytest.approx(16 * llama)
+    assert training.scaled_mtbf(llama, f["gpus"], f["gpus"]) == llama
+    with pytest.raises(ValueError):
+        training.scaled_mtbf(llama, f["gpus"], 0)
+
+
+def test_the_slowest_rank_sets_a_synchronous_step():
+    assert training.synchronous_step_time([0.1, 0.1, 0.6], 0.05) == pytest.approx(0.65)
+    assert training.synchronous_step_time([0.3]) == 0.3
+    with pytest.raises(ValueError):
+        training.synchronous_step_time([])
+
+
+def test_waits_and_rank_steps_take_the_union_of_overlapping_waits():
+    arrivals = {1: {0: 10.0, 1: 10.5}, 2: {0: 10.01, 1: 10.51}, 3: {0: 11.0}}  # #3: rank 1 never called it
+    assert training.waits(arrivals) == {1: {0: 0.5, 1: 0.0}, 2: {0: pytest.approx(0.5), 1: 0.0}}
+    steps = {r: [{"step": 0, "phase": "slow", "step_s": 0.6, "start": 9.95, "end": 10.55}] for r in (0, 1)}
+    rows = training.rank_steps(steps, arrivals)
+    assert [(r["rank"], r["phase"]) for r in rows] == [(0, "slow"), (1, "slow")]
+    assert rows[0]["wait_s"] == pytest.approx(0.51) and rows[0]["busy_s"] == pytest.approx(0.09)  # not 1.0 waited
+    assert rows[1]["wait_s"] == 0 and rows[1]["busy_s"] == pytest.approx(0.6)
+    found = training.straggler(rows)
+    assert found["rank"] == 1 and found["slowdown"] == pytest.approx(0.6 / 0.09)
+    assert found["extra_s"] == pytest.approx(0.51)
+    with pytest.raises(ValueError, match="two ranks"):
+        training.straggler(rows[:1])
+
+
+def test_a_hiccup_anywhere_slows_the_step_more_often_as_ranks_grow():
+    import random
+
+    assert training.expected_step_with_stragglers(0.1, 0.5, 0.0, 1024) == 0.1
+    assert training.expected_step_with_stragglers(0.1, 0.5, 1.0, 2) == pytest.approx(0.6)
+    assert training.expected_step_with_stragglers(0.1, 0.5, 0.01, 1) == pytest.approx(0.105)
+    at = [training.expected_step_with_stragglers(0.1, 0.5, 1e-3, n) for n in (2, 1024, 16384)]
+    assert at == sorted(at) and at[-1] == pytest.approx(0.6, abs=1e-6)
+    rng = random.Random(0)  # simulated: a step is slow when any of 64 ranks draws a hiccup
+    steps = [0.1 + 0.5 * any(rng.random() < 0.01 for _ in range(64)) for _ in range(20000)]
+    assert sum(steps) / len(steps) == pytest.approx(training.expected_step_with_stragglers(0.1, 0.5, 0.01, 64),
+                                                     rel=0.02)
+    with pytest.raises(ValueError):
+        training.expected_step_with_stragglers(0.1, 0.5, 1.5, 2)

@@ -8,8 +8,10 @@ the gradients over it, and the optimizer steps only when every replica in the qu
 On its first attempt, replica --kill-replica SIGKILLs itself in step --kill-at, after its forward pass and before the
 gradients' all-reduce (as chapter 08's rank kills itself). The others' all-reduce fails, every one of them drops that
 step (should_commit says no), and they carry on alone: no job restarts. torchrun restarts the dead
-replica's worker (--max-restarts 1): its new Manager joins the next quorum and receives the model, the optimizer
-and the step count from a peer over torchft's checkpoint transport (HTTP), then trains on in step with the others.
+replica's worker (--max-restarts 1), which waits until the others have committed --down-steps steps past the one
+it died in (a replacement machine takes a while; on an idle machine the restart alone can be quick enough to rejoin
+the very step that failed): its new Manager joins the next quorum and receives the model, the optimizer and the
+step count from a peer over torchft's checkpoint transport (HTTP), then trains on in step with the others.
 
 Before each step every replica compares its parameters with the others' bit for bit (an all-reduce of their int32
 bit patterns, max and -min): a replica that differs stops the run. Each step logs the step, the replicas in the
@@ -38,6 +40,8 @@ parser.add_argument("--together", type=int, default=10, help="... and until this
 parser.add_argument("--max-steps", type=int, default=2000, help="give up (fail) at this step")
 parser.add_argument("--kill-at", type=int, default=-1, help="--kill-replica dies in this step (attempt 0)")
 parser.add_argument("--kill-replica", type=int, default=1)
+parser.add_argument("--down-steps", type=int, default=3, help="the killed replica comes back once the others have "
+                    "committed this many steps past --kill-at (a replacement takes a while to come up)")
 parser.add_argument("--step-s", type=float, default=0.05, help="seconds each step lasts at least (pacing)")
 parser.add_argument("--batch", type=int, default=16, help="samples per replica per step")
 parser.add_argument("--start-dir", required=True, help="a folder the replicas meet in before the first step")
@@ -46,6 +50,13 @@ args = parser.parse_args()
 torch.use_deterministic_algorithms(True)
 ctx = runtime.setup(seed=0, seed_per_rank=False)  # the replica group's own ranks (here: one)
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+start = Path(args.start_dir)  # where the replicas meet before step 0 and say how far they got
+if attempt > 0:  # back from the dead, like a replacement machine: not before the others went on without us
+    deadline = time.monotonic() + 120
+    while max((int(f.read_text() or 0) for f in start.glob("progress*")), default=0) < args.kill_at + args.down_steps:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other replicas never got past the step this one died in")
+        time.sleep(0.05)
 model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
 inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
 true_w = torch.linspace(-1, 1, 8)
@@ -110,7 +121,6 @@ def digest() -> str:
     return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:12]
 
 
-start = Path(args.start_dir)
 if attempt == 0:  # meet the other replicas before the first quorum, so that all start at step 0
     (start / f"replica{args.replica}").touch()
     deadline = time.monotonic() + 120
@@ -148,6 +158,9 @@ while True:
     runtime.log(step=step, total=args.steps, loss=loss.item(), replicas=members, committed=committed,
                 same=checked, healed=healed, attempt=attempt, replica=args.replica, digest=digest(),
                 batches=manager.batches_committed(), t=time.time())
+    if committed:  # how far this replica got, for a returning one (written whole, then renamed: read whole)
+        (start / f".progress{args.replica}").write_text(str(manager.current_step()))
+        (start / f".progress{args.replica}").replace(start / f"progress{args.replica}")
     if committed and manager.current_step() >= args.steps and together >= args.together:
         break
     time.sleep(max(0.0, args.step_s - (time.monotonic() - t0)))

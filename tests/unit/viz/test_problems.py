@@ -5,6 +5,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 
 from gpucourse.models import costs, memory, planner, published, recompute, training
@@ -264,6 +265,59 @@ def test_own_run_inputs_replace_the_defaults():
         problems.show("12.no-such-problem")
     with pytest.raises(ValueError, match="no problems for chapter"):
         problems.show("99")
+
+
+def test_a_chapter_passes_its_own_run_numbers_to_its_your_run_problems(monkeypatch):
+    chapter = problems.show("01", mine={"your-busbw-predict": {"time_ms": 40.0, "size_mib": 64.0},
+                                        "01.your-alpha": {"small_us": np.float64(123.456789)}})
+    mine = {p.id: p for p in chapter}
+    predict = mine["01.your-busbw-predict"]
+    assert predict.answer == pytest.approx(problems.get("01.your-busbw-predict").answer / 2)
+    assert predict.measured == ("size_mib", "time_ms") and predict.inputs["size_mib"] == 64  # a whole number stays int
+    assert "64 MiB" in predict.question_text() and "40.0 ms" in predict.question_text()
+    assert "Your own run's numbers, measured in this chapter: size_mib = 64, time_ms = 40.0" in predict.text()
+    assert "Illustrative, not from your run: n; pass your own with problems.show('01', mine=" in predict.text()
+    alpha = mine["01.your-alpha"]  # kept to 4 significant figures: the question shows what the answer uses
+    assert alpha.inputs["small_us"] == 123.5 and "123.5 µs" in alpha.question_text()
+    assert alpha.answer == pytest.approx(costs.fit_alpha_beta([4096, 64 * MiB], [123.5e-6, 0.08], n=2).alpha / 1e-6)
+    untouched = problems.show("01")
+    assert all(not p.measured for p in untouched) and "Illustrative, not from your run" in str(untouched)
+    assert "Your own run's numbers" not in str(untouched) and "Your own run's numbers" not in str(mine["01.ring-time-nvlink"])
+    title = predict.widget().children[0].value
+    assert "Your own run&#x27;s numbers" in title and "time_ms = 40.0" in title
+    assert predict.given(time_ms=80.0).measured == ("size_mib",)  # an input replaced is no longer the run's
+
+
+@pytest.mark.parametrize("mine, error, match", [
+    ({"no-such": {"n": 2}}, ValueError, r"no problem 'no-such'; chapter 01's your-run problems: your-busbw-predict"),
+    ({"your-accumulation": {"accum": 2}}, ValueError, r"02.your-accumulation is chapter 02's, not chapter 01's"),
+    ({"02.your-accumulation": {"accum": 2}}, ValueError, r"chapter 02's, not chapter 01's"),
+    ({"busbw-all-reduce": {"n": 2}}, ValueError, r"takes no numbers from your run: it is an 'apply' problem"),
+    ({"your-alpha": {"nope": 1}}, ValueError, r"01.your-alpha has no input nope; the ones from your run: small_kib"),
+    ({"your-busbw-predict": {"predict_n": 8}}, ValueError, r"predict_n is part of the question, not read off your run"),
+    ({"your-alpha": {"n": "2"}}, TypeError, r"n must be a number from your run, got str"),
+    ({"your-alpha": {"n": True}}, TypeError, r"n must be a number from your run, got bool"),
+    ({"your-alpha": {"n": 2.5}}, TypeError, r"n counts whole things, got 2.5"),
+    ({"your-alpha": {"small_us": float("nan")}}, ValueError, r"small_us must be a finite number >= 0"),
+    ({"your-alpha": {"small_us": -3.0}}, ValueError, r"finite number >= 0"),
+    ({"your-alpha": [("n", 2)]}, TypeError, r"as a dict of input: value"),
+    ([("your-alpha", {"n": 2})], TypeError, r"mine must be a dict"),
+    ({"your-alpha": {"n": 2}, "01.your-alpha": {"n": 4}}, ValueError, r"given twice"),
+])
+def test_a_chapters_run_numbers_are_refused_with_what_was_wrong(mine, error, match):
+    with pytest.raises(error, match=match):
+        problems.show("01", mine=mine)
+
+
+def test_a_tensor_from_a_run_is_refused_with_how_to_pass_it():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"pass float\(x\) or x.item\(\)"):
+        problems.show("01", mine={"your-alpha": {"small_us": torch.tensor(3.0)}})
+    assert problems.show("01", mine={"your-alpha": {"n": np.int64(4)}}).problems[-1].inputs["n"] == 4
+    with pytest.raises(ValueError, match="mine= goes with a chapter"):
+        problems.show("01.your-alpha", mine={"n": 2})
+    with pytest.raises(ValueError, match=r"mine=\{problem"):
+        problems.show("01", n=2)
 
 
 def test_widget_marks_wrong_with_the_hint_then_the_solution_then_right(monkeypatch, progress):

@@ -288,6 +288,19 @@ def test_a_chapter_passes_its_own_run_numbers_to_its_your_run_problems(monkeypat
     assert predict.given(time_ms=80.0).measured == ("size_mib",)  # an input replaced is no longer the run's
 
 
+def test_a_runs_shapes_change_the_answer_as_the_formulas_say():
+    """The inputs a chapter's run gives besides its times (07b's model, 10's heads and head_dim) enter the answer."""
+    mine = problems.show("07b", mine={"your-recompute-time": {"layers": 2, "width": 128, "none_ms": 12.0}})
+    p = {q.id: q for q in mine}["07b.your-recompute-time"]
+    sizes = dict(batch=4, layers=2, width=128, matmul_params=2 * 12 * 128 ** 2 + 65 * 128,
+                 block_matmul_params=2 * 12 * 128 ** 2)
+    ratio = recompute.expected_flops(256, "full", **sizes) / recompute.expected_flops(256, "none", **sizes)
+    assert p.answer == pytest.approx(12.0 * ratio) and "2-layer GPT of width 128" in p.question_text()
+    ring = problems.show("10", mine={"your-ring-overlap": {"block_tokens": 32, "head_dim": 16, "kv_heads": 2,
+                                                           "compute_ms": 0.25, "hop_ms": 1.5}})
+    assert {q.id: q for q in ring}["10.your-ring-overlap"].answer == pytest.approx(32 * 1.5 / 0.25)  # c x hop / compute
+
+
 @pytest.mark.parametrize("mine, error, match", [
     ({"no-such": {"n": 2}}, ValueError, r"no problem 'no-such'; chapter 01's your-run problems: your-busbw-predict"),
     ({"your-accumulation": {"accum": 2}}, ValueError, r"02.your-accumulation is chapter 02's, not chapter 01's"),

@@ -402,3 +402,40 @@ def test_course_calls_reads_the_models_functions_a_work_uses():
     assert "published.read_published" in calls and "published.megatron_flops_per_iteration" in calls
     assert "planner.shape_of" in calls and not any(c.startswith("published.shape_of") for c in calls)
     assert not math.isnan(problems.get("12.megatron-mfu").answer)
+
+
+# What a chapter's problems cell cannot pass: 09's run is not GPT-2 small on H100s (its tokens/s and GPUs would be
+# another model's on another machine), so only its vocabulary goes in.
+NOT_FROM_THE_RUN = {"09.your-mfu": {"tokens_per_s", "gpus"}}
+
+
+def test_each_chapter_passes_its_run_numbers_to_its_your_run_problems():
+    """Each chapter's problems.show cell names every your-run problem of the chapter in mine=, with every input
+    its run gives (read from the cell's text: the values are computed there, from the chapter's own results)."""
+    import ast
+
+    import nbformat
+
+    from gpucourse.tools.course import chapter_key, find_notebooks
+
+    for path in find_notebooks():
+        chapter = chapter_key(path)
+        yours = [p for p in problems.CHAPTERS.get(chapter, []) if p.own]
+        if not yours:
+            continue
+        cells = [c.source for c in nbformat.read(path, as_version=4).cells
+                 if c.cell_type == "code" and f'problems.show("{chapter}"' in c.source]
+        assert len(cells) == 1, f"{path.name}: one problems.show({chapter!r}) cell"
+        tree = ast.parse(cells[0])
+        show = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "show"][0]
+        mine = [k.value for k in show.keywords if k.arg == "mine"]
+        assert mine, f"{path.name}: problems.show({chapter!r}) passes no mine="
+        named = {ast.literal_eval(k): v for d in ast.walk(mine[0]) if isinstance(d, ast.Dict)
+                 for k, v in zip(d.keys, d.values) if k is not None and isinstance(k, ast.Constant)}
+        for p in yours:
+            slug = p.id.partition(".")[2]
+            assert slug in named or p.id in named, f"{path.name}: {p.id} gets none of the run's numbers"
+            words = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+            given = words | {f"{w}_ms" for w in words}  # 03 builds its names: f"{k}_ms" for k in ("compute", ...)
+            missing = set(p.own) - given - NOT_FROM_THE_RUN.get(p.id, set())
+            assert not missing, f"{path.name}: {p.id} is not given {sorted(missing)} from the run"

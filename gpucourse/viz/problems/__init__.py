@@ -2,7 +2,8 @@
 
     from gpucourse.viz import problems
     problems.show("12")                        # chapter 12's problems, one widget each
-    problems.show("01.your-busbw-predict", time_ms=41.0)   # one problem, with a number from your own run
+    problems.show("01", mine={"your-busbw-predict": {"time_ms": t_ms}})   # its your-run problems with your numbers
+    problems.show("01.your-busbw-predict", time_ms=41.0)   # one problem, any of its inputs changed
 
 `gpucourse progress` prints, per chapter, how many problems you have answered right (base.progress_file).
 Add a problem: docs/problems.md.
@@ -44,17 +45,52 @@ def get(problem_id: str) -> Problem:
                      f"(problems.show('12') lists chapter 12's)")
 
 
-def show(key: str, **inputs):
-    """A chapter's problems ("12"), or one problem ("12.mfu") with some of its inputs replaced by yours."""
+def show(key: str, mine: dict | None = None, **inputs):
+    """A chapter's problems ("12"), or one problem ("12.mfu") with some of its inputs replaced.
+
+    mine: the chapter's own run's numbers for its 'your run' problems, {problem: {input: value}}, a problem named by
+    its id ("01.your-alpha") or its short name ("your-alpha"), each input one of the problem's `own`; the widget
+    then says which inputs are the learner's (Problem.from_run checks each value)."""
     key = str(key)
     if "." in key:
+        if mine is not None:
+            raise ValueError(f"mine= goes with a chapter: problems.show({key.partition('.')[0]!r}, "
+                             f"mine={{{key.partition('.')[2]!r}: {{...}}}})")
         return get(key).given(**inputs)
     chapter = key.zfill(3 if key[-1:].isalpha() else 2)  # "7" is "07", "7b" is "07b"
     if chapter not in CHAPTERS:
         raise ValueError(f"no problems for chapter {key!r} yet; chapters with problems: {', '.join(CHAPTERS)}")
     if inputs:
-        raise ValueError("inputs go to one problem: problems.show('01.your-busbw-predict', time_ms=...)")
-    return ProblemSet(TITLES[chapter], [p.given() for p in CHAPTERS[chapter]])
+        raise ValueError(f"inputs go to one problem (problems.show('01.your-busbw-predict', time_ms=...)), or to a "
+                         f"chapter's your-run problems as problems.show({chapter!r}, mine={{problem: {{input: "
+                         f"value}}}}); got {', '.join(inputs)}")
+    shown = [p.given() for p in CHAPTERS[chapter]]
+    for name, values in _by_problem(chapter, mine).items():
+        at = [p.id for p in shown].index(name)
+        shown[at] = shown[at].from_run(values)
+    return ProblemSet(TITLES[chapter], shown)
+
+
+def _by_problem(chapter: str, mine) -> dict:
+    """mine's keys as the chapter's problem ids; a key that is not one of the chapter's problems is refused."""
+    if mine is None:
+        return {}
+    yours = [p.id.partition(".")[2] for p in CHAPTERS[chapter] if p.own]
+    if not isinstance(mine, dict):
+        raise TypeError(f"mine must be a dict {{problem: {{input: value}}}}, got {type(mine).__name__}; chapter "
+                        f"{chapter}'s your-run problems: {', '.join(yours) or 'none'}")
+    ids, out = {p.id for p in CHAPTERS[chapter]}, {}
+    for name, values in mine.items():
+        pid = str(name) if "." in str(name) else f"{chapter}.{name}"
+        if pid not in ids:
+            elsewhere = [p.id for p in all_problems() if p.id == str(name) or p.id.partition(".")[2] == str(name)]
+            where = (f"{elsewhere[0]} is chapter {elsewhere[0].partition('.')[0]}'s, not chapter {chapter}'s"
+                     if elsewhere else f"no problem {name!r}")
+            raise ValueError(f"{where}; chapter {chapter}'s your-run problems: {', '.join(yours) or 'none'}")
+        if pid in out:
+            raise ValueError(f"{pid} is given twice in mine (by its id and by its short name)")
+        out[pid] = values
+    return out
 
 
 def progress(path=None) -> dict[str, dict]:

@@ -26,6 +26,7 @@ import html
 import inspect
 import json
 import math
+import numbers
 import os
 import re
 import string
@@ -121,8 +122,9 @@ class Problem:
     tolerance: float = 0.02    # relative; an answer within half the last shown digit is right too
     level: str = "apply"
     traps: dict = field(default_factory=dict)  # {work key: what that slip was}, for a number typed near its value
-    own: tuple = ()            # inputs a learner reads off their own run: show(id, name=value) replaces them
+    own: tuple = ()            # inputs a learner reads off their own run: show("NN", mine={slug: {...}}) gives them
     source: str = ""           # where hardware figures come from (a datasheet, a paper)
+    measured: tuple = ()       # the inputs (of `own`) that hold the learner's own run's numbers now (from_run)
 
     def __post_init__(self):
         match = _ID.match(self.id) if isinstance(self.id, str) else None
@@ -146,6 +148,9 @@ class Problem:
         if set(self.own) - set(self.inputs):
             extra = sorted(set(self.own) - set(self.inputs))
             raise ValueError(f"{self.id}: own names inputs it does not have: {extra}")
+        if set(self.measured) - set(self.own):
+            raise ValueError(f"{self.id}: measured names inputs not read off a run (not in own): "
+                             f"{sorted(set(self.measured) - set(self.own))}")
         object.__setattr__(self, "wrong_tries", 0)
 
     @property
@@ -159,7 +164,33 @@ class Problem:
             raise ValueError(f"{self.id} has no input {', '.join(sorted(unknown))}; its inputs: "
                              f"{', '.join(self.inputs)}")
         return Problem(**{**{f: getattr(self, f) for f in self.__dataclass_fields__},
-                          "inputs": {**self.inputs, **inputs}})
+                          "inputs": {**self.inputs, **inputs},
+                          "measured": tuple(k for k in self.measured if k not in inputs)})
+
+    def from_run(self, values: dict) -> Problem:
+        """The same problem with the learner's own run's numbers for some of its `own` inputs (a chapter passes what
+        its run measured): a fresh one whose text and widget say which inputs are the run's. Refuses, naming what to
+        do, an input the problem does not take or does not read off a run, and a value that is not a plain number
+        (a whole number where the input counts things). Floats are kept to 4 significant figures, so the question
+        shows the very numbers the answer is computed from."""
+        if not self.own:
+            raise ValueError(f"{self.id} takes no numbers from your run: it is an {self.level!r} problem, not a "
+                             f"'your run' one")
+        if not isinstance(values, dict):
+            raise TypeError(f"{self.id}: give your run's numbers as a dict of input: value "
+                            f"({', '.join(f'{k!r}: ...' for k in self.own)}), got {type(values).__name__}")
+        unknown = sorted(set(values) - set(self.inputs))
+        if unknown:
+            raise ValueError(f"{self.id} has no input {', '.join(map(str, unknown))}; the ones from your run: "
+                             f"{', '.join(self.own)}")
+        not_own = sorted(set(values) - set(self.own))
+        if not_own:
+            raise ValueError(f"{self.id}: {', '.join(not_own)} is part of the question, not read off your run; "
+                             f"the inputs from your run: {', '.join(self.own)}")
+        read = {name: _run_number(self.id, name, value, self.inputs[name]) for name, value in values.items()}
+        return Problem(**{**{f: getattr(self, f) for f in self.__dataclass_fields__},
+                          "inputs": {**self.inputs, **read},
+                          "measured": tuple(k for k in self.own if k in read or k in self.measured)})
 
     # --- the numbers, all from one call -------------------------------------------------------------------
     def values(self) -> dict:
@@ -225,6 +256,23 @@ class Problem:
         return f"Answer: {self.answer_text()}.\n{self.solution_text()}"
 
     # --- display ------------------------------------------------------------------------------------------
+    def run_notes(self) -> list[str]:
+        """What the text and the widget say about the inputs of a 'your run' problem: which are the learner's own
+        run's numbers, and which are still the problem's illustrative ones (and how to pass them)."""
+        if not self.own:
+            return []
+        out = []
+        if self.measured:
+            out.append("Your own run's numbers, measured in this chapter: "
+                       + ", ".join(f"{k} = {self.inputs[k]!r}" for k in self.measured) + ".")
+        rest = [k for k in self.own if k not in self.measured]
+        if rest:
+            slug = self.id.partition(".")[2]
+            out.append(f"Illustrative, not from your run: {', '.join(rest)}; pass your own with "
+                       f"problems.show({self.chapter!r}, mine={{{slug!r}: {{"
+                       + ", ".join(f"{k!r}: ..." for k in rest) + "}}).")
+        return out
+
     def heading(self) -> str:
         return f"Problem {self.id} ({self.level})"
 
@@ -232,8 +280,7 @@ class Problem:
         lines = [f"{self.heading()}: {self.question_text()}", f"  Answer in {self.unit or 'plain units'}."]
         if self.source:
             lines.append(f"  Figures from: {self.source}")
-        if self.own:
-            lines.append(f"  From your own run: pass {', '.join(self.own)} to problems.show({self.id!r}, ...).")
+        lines += [f"  {line}" for line in self.run_notes()]
         lines.append("(In JupyterLab: type a number and press Check. Elsewhere: .check(x) answers, .reveal() shows "
                      "the worked solution.)")
         return "\n".join(lines)
@@ -248,9 +295,7 @@ class Problem:
         import ipywidgets as w
 
         note = "" if not self.source else f"<br><small>Figures from: {html.escape(self.source)}</small>"
-        if self.own:
-            note += (f"<br><small>From your own run: problems.show({self.id!r}, "
-                     f"{', '.join(f'{k}=...' for k in self.own)})</small>")
+        note += "".join(f"<br><small>{html.escape(line)}</small>" for line in self.run_notes())
         title = w.HTML(f"<b>{html.escape(self.heading())}:</b> {html.escape(self.question_text())}{note}")
         answer = w.Text(placeholder=f"a number, in {self.unit or 'plain units'}", layout=w.Layout(width="14em"))
         unit = w.Label(self.unit)
@@ -267,6 +312,21 @@ class Problem:
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         return _bundle(self.text(), self.widget)
+
+
+def _run_number(problem_id: str, name: str, value, default):
+    """A run's measurement as the problem takes it: a finite number >= 0, whole where the default is."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        hint = " (a tensor or array: pass float(x) or x.item())" if hasattr(value, "item") else ""
+        raise TypeError(f"{problem_id}: {name} must be a number from your run, got {type(value).__name__} "
+                        f"{value!r}{hint}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{problem_id}: {name} must be a finite number >= 0 (a size, a count or a time), got {value!r}")
+    if isinstance(default, numbers.Integral):
+        if value != int(value):
+            raise TypeError(f"{problem_id}: {name} counts whole things, got {value!r}: pass a whole number")
+        return int(value)
+    return float(f"{float(value):.4g}")
 
 
 class ProblemSet:

@@ -8,7 +8,7 @@ from .base import Problem
 NDR = "InfiniBand NDR 400G"
 MiB = 2 ** 20
 # chapter 02's no_sync model: Linear(512, 2048) and Linear(2048, 512) with biases, fp32 gradients
-NO_SYNC_KIB = (512 * 2048 + 2048 + 2048 * 512 + 512) * 4 // 1024
+NO_SYNC_KIB = (512 * 2048 + 2048 + 2048 * 512 + 512) * 4 / 1024  # KiB, as the table shows them
 DDP_DOCS = ("PyTorch documentation of torch.nn.parallel.DistributedDataParallel (bucket_cap_mb: 25 MiB unless set, "
             "https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html)")
 

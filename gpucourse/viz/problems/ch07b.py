@@ -56,10 +56,11 @@ def _fp8(gemm_pct):
             "rest": 1 - gemm_pct / 100, "gemm": gemm_pct / 100}
 
 
-def _your_recompute(none_ms, seq, batch):
-    p = planner.shape_params(CH07B_GPT)
-    sizes = dict(batch=batch, layers=CH07B_GPT["layers"], width=CH07B_GPT["d_model"], matmul_params=p["matmul"],
-                 block_matmul_params=CH07B_GPT["layers"] * p["layer_dense"])
+def _your_recompute(none_ms, seq, batch, layers, width):
+    shape = {**CH07B_GPT, "layers": layers, "d_model": width, "ffn": 4 * width}  # the chapter's GPT, as it ran
+    p = planner.shape_params(shape)
+    sizes = dict(batch=batch, layers=layers, width=width, matmul_params=p["matmul"],
+                 block_matmul_params=layers * p["layer_dense"])
     flops = {mode: recompute.expected_flops(seq, mode, **sizes) for mode in ("none", "full")}
     ratio = flops["full"] / flops["none"]
     return {"answer": none_ms / 1e3 * ratio, "none_G": flops["none"] / 1e9, "full_G": flops["full"] / 1e9,
@@ -132,9 +133,11 @@ PROBLEMS = [
         solution="1 / ({rest:.2f} + {gemm:.2f} / {ratio:g}) = {answer}."),
     Problem(
         "07b.your-recompute-time",
-        "Your chapter 07b run: at s = {seq}, one forward + backward with no recomputation took {none_ms} ms (median). "
-        "If time followed the FLOPs counted, how long would the step with full recomputation take?",
-        inputs={"none_ms": 30.0, "seq": 256, "batch": 4}, own=("none_ms", "seq", "batch"), work=_your_recompute,
+        "Your chapter 07b run: its {layers}-layer GPT of width {width}, batch {batch}, at s = {seq}: one forward + "
+        "backward with no recomputation took {none_ms} ms (median). If time followed the FLOPs counted, how long "
+        "would the step with full recomputation take?",
+        inputs={"none_ms": 30.0, "seq": 256, "batch": 4, "layers": 4, "width": 64},
+        own=("none_ms", "seq", "batch", "layers", "width"), work=_your_recompute,
         unit="ms", scale=1e-3, digits=1, level="your run",
         hint="full recomputation reruns each block's forward (less its last projection, and not the head or "
              "embeddings): scale your time by the FLOPs ratio recompute.expected_flops gives, not by 4/3.",

@@ -122,7 +122,8 @@ PROBLEMS = [
         "heads of {head_dim}, {bytes_per_value}-byte values): block attention {compute_ms} ms, one K/V hop "
         "{hop_ms} ms. At these rates, from how many tokens a rank would the hop hide behind the compute?",
         inputs={"block_tokens": 128, "heads": 4, "kv_heads": 4, "head_dim": 64, "compute_ms": 0.5, "hop_ms": 2.0,
-                "bytes_per_value": 4}, own=("block_tokens", "compute_ms", "hop_ms"), work=_your_overlap,
+                "bytes_per_value": 4}, work=_your_overlap,
+        own=("block_tokens", "heads", "kv_heads", "head_dim", "bytes_per_value", "compute_ms", "hop_ms"),
         unit="tokens", digits=0, level="your run",
         hint="turn your two times into rates (FLOP/s from 4 h c^2 d FLOPs, bytes/s from 2 h_kv c d values), then "
              "c* = (h_kv/h) x bytes x F / (2 B); equivalently c x hop / compute, since compute grows as c^2.",

@@ -5,6 +5,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 
 from gpucourse.models import costs, memory, planner, published, recompute, training
@@ -266,6 +267,72 @@ def test_own_run_inputs_replace_the_defaults():
         problems.show("99")
 
 
+def test_a_chapter_passes_its_own_run_numbers_to_its_your_run_problems(monkeypatch):
+    chapter = problems.show("01", mine={"your-busbw-predict": {"time_ms": 40.0, "size_mib": 64.0},
+                                        "01.your-alpha": {"small_us": np.float64(123.456789)}})
+    mine = {p.id: p for p in chapter}
+    predict = mine["01.your-busbw-predict"]
+    assert predict.answer == pytest.approx(problems.get("01.your-busbw-predict").answer / 2)
+    assert predict.measured == ("size_mib", "time_ms") and predict.inputs["size_mib"] == 64  # a whole number stays int
+    assert "64 MiB" in predict.question_text() and "40.0 ms" in predict.question_text()
+    assert "Your own run's numbers, measured in this chapter: size_mib = 64, time_ms = 40.0" in predict.text()
+    assert "Illustrative, not from your run: n; pass your own with problems.show('01', mine=" in predict.text()
+    alpha = mine["01.your-alpha"]  # kept to 4 significant figures: the question shows what the answer uses
+    assert alpha.inputs["small_us"] == 123.5 and "123.5 µs" in alpha.question_text()
+    assert alpha.answer == pytest.approx(costs.fit_alpha_beta([4096, 64 * MiB], [123.5e-6, 0.08], n=2).alpha / 1e-6)
+    untouched = problems.show("01")
+    assert all(not p.measured for p in untouched) and "Illustrative, not from your run" in str(untouched)
+    assert "Your own run's numbers" not in str(untouched) and "Your own run's numbers" not in str(mine["01.ring-time-nvlink"])
+    title = predict.widget().children[0].value
+    assert "Your own run&#x27;s numbers" in title and "time_ms = 40.0" in title
+    assert predict.given(time_ms=80.0).measured == ("size_mib",)  # an input replaced is no longer the run's
+
+
+def test_a_runs_shapes_change_the_answer_as_the_formulas_say():
+    """The inputs a chapter's run gives besides its times (07b's model, 10's heads and head_dim) enter the answer."""
+    mine = problems.show("07b", mine={"your-recompute-time": {"layers": 2, "width": 128, "none_ms": 12.0}})
+    p = {q.id: q for q in mine}["07b.your-recompute-time"]
+    sizes = dict(batch=4, layers=2, width=128, matmul_params=2 * 12 * 128 ** 2 + 65 * 128,
+                 block_matmul_params=2 * 12 * 128 ** 2)
+    ratio = recompute.expected_flops(256, "full", **sizes) / recompute.expected_flops(256, "none", **sizes)
+    assert p.answer == pytest.approx(12.0 * ratio) and "2-layer GPT of width 128" in p.question_text()
+    ring = problems.show("10", mine={"your-ring-overlap": {"block_tokens": 32, "head_dim": 16, "kv_heads": 2,
+                                                           "compute_ms": 0.25, "hop_ms": 1.5}})
+    assert {q.id: q for q in ring}["10.your-ring-overlap"].answer == pytest.approx(32 * 1.5 / 0.25)  # c x hop / compute
+
+
+@pytest.mark.parametrize("mine, error, match", [
+    ({"no-such": {"n": 2}}, ValueError, r"no problem 'no-such'; chapter 01's your-run problems: your-busbw-predict"),
+    ({"your-accumulation": {"accum": 2}}, ValueError, r"02.your-accumulation is chapter 02's, not chapter 01's"),
+    ({"02.your-accumulation": {"accum": 2}}, ValueError, r"chapter 02's, not chapter 01's"),
+    ({"busbw-all-reduce": {"n": 2}}, ValueError, r"takes no numbers from your run: it is an 'apply' problem"),
+    ({"your-alpha": {"nope": 1}}, ValueError, r"01.your-alpha has no input nope; the ones from your run: small_kib"),
+    ({"your-busbw-predict": {"predict_n": 8}}, ValueError, r"predict_n is part of the question, not read off your run"),
+    ({"your-alpha": {"n": "2"}}, TypeError, r"n must be a number from your run, got str"),
+    ({"your-alpha": {"n": True}}, TypeError, r"n must be a number from your run, got bool"),
+    ({"your-alpha": {"n": 2.5}}, TypeError, r"n counts whole things, got 2.5"),
+    ({"your-alpha": {"small_us": float("nan")}}, ValueError, r"small_us must be a finite number >= 0"),
+    ({"your-alpha": {"small_us": -3.0}}, ValueError, r"finite number >= 0"),
+    ({"your-alpha": [("n", 2)]}, TypeError, r"as a dict of input: value"),
+    ([("your-alpha", {"n": 2})], TypeError, r"mine must be a dict"),
+    ({"your-alpha": {"n": 2}, "01.your-alpha": {"n": 4}}, ValueError, r"given twice"),
+])
+def test_a_chapters_run_numbers_are_refused_with_what_was_wrong(mine, error, match):
+    with pytest.raises(error, match=match):
+        problems.show("01", mine=mine)
+
+
+def test_a_tensor_from_a_run_is_refused_with_how_to_pass_it():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"pass float\(x\) or x.item\(\)"):
+        problems.show("01", mine={"your-alpha": {"small_us": torch.tensor(3.0)}})
+    assert problems.show("01", mine={"your-alpha": {"n": np.int64(4)}}).problems[-1].inputs["n"] == 4
+    with pytest.raises(ValueError, match="mine= goes with a chapter"):
+        problems.show("01.your-alpha", mine={"n": 2})
+    with pytest.raises(ValueError, match=r"mine=\{problem"):
+        problems.show("01", n=2)
+
+
 def test_widget_marks_wrong_with_the_hint_then_the_solution_then_right(monkeypatch, progress):
     p = problems.show("12.interleaved-bubble")
     title, row, feedback = p.widget().children
@@ -335,3 +402,40 @@ def test_course_calls_reads_the_models_functions_a_work_uses():
     assert "published.read_published" in calls and "published.megatron_flops_per_iteration" in calls
     assert "planner.shape_of" in calls and not any(c.startswith("published.shape_of") for c in calls)
     assert not math.isnan(problems.get("12.megatron-mfu").answer)
+
+
+# What a chapter's problems cell cannot pass: 09's run is not GPT-2 small on H100s (its tokens/s and GPUs would be
+# another model's on another machine), so only its vocabulary goes in.
+NOT_FROM_THE_RUN = {"09.your-mfu": {"tokens_per_s", "gpus"}}
+
+
+def test_each_chapter_passes_its_run_numbers_to_its_your_run_problems():
+    """Each chapter's problems.show cell names every your-run problem of the chapter in mine=, with every input
+    its run gives (read from the cell's text: the values are computed there, from the chapter's own results)."""
+    import ast
+
+    import nbformat
+
+    from gpucourse.tools.course import chapter_key, find_notebooks
+
+    for path in find_notebooks():
+        chapter = chapter_key(path)
+        yours = [p for p in problems.CHAPTERS.get(chapter, []) if p.own]
+        if not yours:
+            continue
+        cells = [c.source for c in nbformat.read(path, as_version=4).cells
+                 if c.cell_type == "code" and f'problems.show("{chapter}"' in c.source]
+        assert len(cells) == 1, f"{path.name}: one problems.show({chapter!r}) cell"
+        tree = ast.parse(cells[0])
+        show = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "show"][0]
+        mine = [k.value for k in show.keywords if k.arg == "mine"]
+        assert mine, f"{path.name}: problems.show({chapter!r}) passes no mine="
+        named = {ast.literal_eval(k): v for d in ast.walk(mine[0]) if isinstance(d, ast.Dict)
+                 for k, v in zip(d.keys, d.values) if k is not None and isinstance(k, ast.Constant)}
+        for p in yours:
+            slug = p.id.partition(".")[2]
+            assert slug in named or p.id in named, f"{path.name}: {p.id} gets none of the run's numbers"
+            words = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+            given = words | {f"{w}_ms" for w in words}  # 03 builds its names: f"{k}_ms" for k in ("compute", ...)
+            missing = set(p.own) - given - NOT_FROM_THE_RUN.get(p.id, set())
+            assert not missing, f"{path.name}: {p.id} is not given {sorted(missing)} from the run"

@@ -30,7 +30,8 @@ GB = 1e9
 
 def run_label(result) -> str:
     """'cpu · gloo · 4 ranks': the device the ranks reported (RunResult.device), backend and world size of a run."""
-    return f"{result.device} · {result.manifest.get('backend', '?')} · {result.world_size} ranks"
+    ranks = f"{result.world_size} rank" + ("s" if result.world_size != 1 else "")
+    return f"{result.device} · {result.manifest.get('backend', '?')} · {ranks}"
 
 
 def finished(fig):

@@ -9,9 +9,11 @@ no profiler "USDT" line in a live pane. Each launch view, widget and figure is s
 <chapter>-<n>-<what>.png, for a reviewer.
 
 A whole pass takes far longer than CI's browser budget (35-50 min on a loaded 2-core machine), so it carries the
-`browser_pass` marker, deselected by default; `make browser-pass` runs it.
+`browser_pass` marker, deselected by default; `make browser-pass` runs it (GPUCOURSE_BROWSER_SIZES=default: at
+the learner's sizes, the notebooks' own parameters).
 """
 import json
+import os
 import re
 import shutil
 import time
@@ -87,11 +89,13 @@ MODEL_OUTPUTS = f"""path => {{ {PANEL}
 
 
 def _prepare(lab, path: Path) -> None:
-    """The chapter in the lab's copy of notebooks/ with its smoke values, its siblings beside it."""
+    """The chapter in the lab's copy of notebooks/ with its smoke values (its own, a learner's, with
+    GPUCOURSE_BROWSER_SIZES=default), its siblings beside it."""
     for name in SIBLINGS:
         shutil.copytree(ROOT / name, lab.root.parent / name, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
-    with_parameters(path, lab.root / path.name, smoke_parameters(path))
+    learner = os.environ.get("GPUCOURSE_BROWSER_SIZES") == "default"
+    with_parameters(path, lab.root / path.name, {} if learner else smoke_parameters(path))
 
 
 def _wait_ran(page, name: str) -> float:

@@ -37,6 +37,14 @@ def test_run_label_names_the_device_the_ranks_reported(tmp_path, planned, backen
     assert plots.run_label(forged_run(tmp_path, planned, backend, reported)) == label
 
 
+def test_run_label_of_one_rank_says_rank(tmp_path):
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "manifest.json").write_text(json.dumps({"device": "cpu", "backend": "gloo", "world_size": 1,
+                                                        "status": "ok"}))
+    (tmp_path / "metrics" / "rank0.jsonl").write_text(json.dumps({"rank": 0, "event": "setup", "device": "cpu"}))
+    assert plots.run_label(load_run(tmp_path)) == "cpu · gloo · 1 rank"
+
+
 # --- charts the chapters call by name --------------------------------------------------------------------
 def test_stacked_bars_stack_each_part_on_the_last_and_mark_the_modelled():
     fig = Figure()

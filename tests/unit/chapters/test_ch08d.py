@@ -62,7 +62,7 @@ def test_against_uninterrupted_counts_the_samples_the_dead_replica_never_trained
 
 
 def test_membership_plot_draws_each_attempt():
-    fig = ch08d.membership_plot(survive_runs(), "cpu · gloo · 1 ranks")
+    fig = ch08d.membership_plot(survive_runs(), "cpu · gloo · 1 rank")
     assert isinstance(fig, Figure) and len(fig.axes[0].lines) == 3
     with pytest.raises(ValueError):
         ch08d.membership_plot({})
@@ -95,7 +95,7 @@ def test_communication_and_trade_are_computed_from_the_runs():
 
 
 def test_loss_plot_marks_the_syncs():
-    fig = ch08d.loss_plot(diloco_runs(), 5, "cpu · gloo · 1 ranks")
+    fig = ch08d.loss_plot(diloco_runs(), 5, "cpu · gloo · 1 rank")
     assert isinstance(fig, Figure) and len(fig.axes[0].lines) == 4 + 4  # 2 modes x 2 lines, 4 syncs
 
 

@@ -17,6 +17,16 @@ STATE_KEYS = {"params": "parameters", "grads": "gradients", "optimizer": "optimi
 STAGES = {"ddp": 0, "zero1": 1, "sharded": 1, "fsdp2": 3, "fsdp": 3}
 
 
+def dim0_shard_rows(rows: int, world: int, rank: int) -> int:
+    """Rows of a tensor's first dimension that rank `rank` of `world` holds once FSDP2 shards it: torch.chunk's
+    pieces of ceil(rows / world), so the last ranks hold what remains (possibly nothing) and a planner's even share
+    rows / world is no rank's."""
+    if rows < 0 or world < 1 or not 0 <= rank < world:
+        raise ValueError(f"dim0_shard_rows: rows {rows} >= 0, world {world} >= 1 and rank {rank} in 0..{world - 1}")
+    per = -(-rows // world)
+    return max(0, min(per, rows - rank * per))
+
+
 def fewest_devices(num_params, stage, device_bytes, *, largest=2**13, **kwargs) -> int | None:
     """The smallest power-of-2 number of devices whose per-device model states fit in device_bytes (None: none up
     to `largest` does; stages 1 and 2 never shrink below their replicated part)."""

@@ -78,3 +78,16 @@ def test_hsdp_states_and_comm_against_the_formulas_and_the_node_boundary():
     assert cross["fsdp"] == sum(f["sent"] for f in comm["fsdp"].values())  # all of FSDP's groups span both nodes
     records, shapes, P = _hsdp_records(2, 2, wrong_rank=3)
     assert [f.split(":")[0] for f in sharding.hsdp_comm(records, shapes, P)[1]] == ["hsdp rank 3"]
+
+
+def test_fsdp2s_dim0_shards_are_torch_chunks_pieces_the_last_rank_holding_the_rest():
+    import torch
+
+    from gpucourse.models.sharding import dim0_shard_rows
+    for rows, world in ((16032, 128), (10, 4), (3, 4), (8, 8), (0, 2)):
+        pieces = [len(c) for c in torch.arange(rows).chunk(world)] if rows else []
+        pieces += [0] * (world - len(pieces))  # torch.chunk returns fewer pieces when rows run out
+        assert [dim0_shard_rows(rows, world, r) for r in range(world)] == pieces
+    assert dim0_shard_rows(16032, 128, 127) == 30 and dim0_shard_rows(16032, 128, 0) == 126
+    with pytest.raises(ValueError, match="rank"):
+        dim0_shard_rows(10, 4, 4)

@@ -159,6 +159,10 @@ EXPECTED = {
     "12.megatron-mfu": lambda: 100 * published.read_published("Megatron-LM 1T (Narayanan et al. 2021)")["reported_mfu"],
     "12.audit-max-context": lambda: 100 * (flops("gpt-1.3b", 2048) / flops("gpt-1.3b", 1024) - 1),
     "12.audit-sparse-peak": lambda: 100 * 400e12 / costs.peak_flops(H100),
+    # Llama 3 405B, tp 8 x pp 16 x dp 128, 16 micro-batches of one 8K sequence; the first stage holds 7 layers
+    "13.pp-send": lambda: 16 * 8192 * 16384 * 2 / 8 / 1e9,  # a send a micro-batch, 1/tp of the sequence
+    "13.tp-gathers": lambda: 7 * 16 * 4 * 8192 * 16384 * 2 / 1e9,  # 2 forward + 2 backward a layer and micro-batch
+    "13.audit-last-shard": lambda: 128256 // 8 - 126 * 127,  # pieces of ceil(16,032 / 128) = 126
 }
 # Published figures the answers must agree with (the ZeRO paper's Figure 1, Llama 3's parameter count, the
 # memory calculator's preset): the course's formulas reproduce them.

@@ -159,6 +159,10 @@ EXPECTED = {
     "12.megatron-mfu": lambda: 100 * published.read_published("Megatron-LM 1T (Narayanan et al. 2021)")["reported_mfu"],
     "12.audit-max-context": lambda: 100 * (flops("gpt-1.3b", 2048) / flops("gpt-1.3b", 1024) - 1),
     "12.audit-sparse-peak": lambda: 100 * 400e12 / costs.peak_flops(H100),
+    # Llama 3's MTBF (54 days / 419) per GPU, scaled from 16,384 to 1,024 GPUs; Young/Daly in minutes
+    "08c.your-interval": lambda: (2 * 0.25 * 54 * 86400 / 419 * 16384 / 1024) ** 0.5 / 60,
+    "08c.goodput": lambda: 100 * 1800 / 1820 * (1 - (1800 + 1820 / 2) / (20 * 3600)),
+    "08c.audit-hiccups": lambda: 1.0 + 0.4 * (1 - 0.999 ** 16384),
     # Llama 3 405B, tp 8 x pp 16 x dp 128, 16 micro-batches of one 8K sequence; the first stage holds 7 layers
     "13.pp-send": lambda: 16 * 8192 * 16384 * 2 / 8 / 1e9,  # a send a micro-batch, 1/tp of the sequence
     "13.tp-gathers": lambda: 7 * 16 * 4 * 8192 * 16384 * 2 / 1e9,  # 2 forward + 2 backward a layer and micro-batch

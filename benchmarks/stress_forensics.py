@@ -3,7 +3,7 @@
     python benchmarks/stress_forensics.py [--seeds 0 1 2 3 ...] [--subgroup-faults N] [--no-world]
 
 Each seed is one set of exercise ex08_read_the_dumps's faults (its grader's `inject`: 10 jobs of
-scripts/08_hangs.py, two of each kind, random culprit rank and step, in the default process group) and N faults
+scripts/08b_hangs.py, two of each kind, random culprit rank and step, in the default process group) and N faults
 (default 10) inside a subgroup: the same script's --group tp or dp, its 4 ranks a 2 x 2 mesh ("dp", "tp"), each
 kind in a TP group and in a DP group, random culprit rank (0 to 3) and step. For each, `forensics.diagnose` (what
 the launcher reports and `gpucourse diagnose` prints) is compared with what was injected: the culprit rank, the

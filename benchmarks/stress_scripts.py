@@ -37,7 +37,7 @@ TRAINING_SCRIPTS = {
     "06_tp_block": lambda w: [],
     "06_dtensor_tp": lambda w: [],
     "07_memory": lambda w: ["--steps", "2", "--width", "64", "--depth", "4", "--batch", "8"],
-    "07_precision": lambda w: ["--steps", "2", "--width", "64", "--depth", "4", "--scaler-steps", "8"],
+    "07b_precision": lambda w: ["--steps", "2", "--width", "64", "--depth", "4", "--scaler-steps", "8"],
     "08_resume": lambda w: ["--steps", "10", "--ckpt-every", "5"],
     "09_gpt_2d": lambda w: ["--dp", str(max(1, w // 2)), "--tp", str(min(w, 2)), "--steps", "5", "--layers", "1",
                             "--eval-batches", "1", "--sample", "0"],

@@ -42,7 +42,7 @@ Rules
 - Use only the two arguments (no files, no launcher results); return plain values: a list of ints, an int
   and one of the five words.
 - The grader injects 10 random faults (kind, culprit rank, step) into real 4-rank jobs of
-  scripts/08_hangs.py and scores one point per right answer (all three parts right).
+  scripts/08b_hangs.py and scores one point per right answer (all three parts right).
 
 Check your work: `gpucourse grade ex08_read_the_dumps` (`--seed N` replays a grading's faults).
 """

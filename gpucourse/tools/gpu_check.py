@@ -212,7 +212,7 @@ def check_fsdp_memory(width: int = 2048, depth: int = 8):
 def check_precision_recipes(width: int = 2048, depth: int = 8):
     """Chapter 07b's mixed-precision script on the GPU: each recipe's counted bytes (checked against the formula in
     the run) beside torch.cuda.max_memory_allocated; fp16 autocast with GradScaler("cuda") skipping and halving."""
-    res = _launch(SCRIPTS / "07_precision.py", nproc=1, backend="nccl", name="gpucheck-precision-recipes",
+    res = _launch(SCRIPTS / "07b_precision.py", nproc=1, backend="nccl", name="gpucheck-precision-recipes",
                   args=["--width", str(width), "--depth", str(depth)])
     rows = [m for m in res.metrics.get(0, []) if m.get("part") == "recipe"]
     parts = ("parameters", "gradients", "master_weights", "optimizer_states")
@@ -827,13 +827,13 @@ def check_default_sizes():
                                "median_forward_ms": statistics.median(m["forward_ms"] for m in steps) if steps else None,
                                "median_backward_ms": statistics.median(m["backward_ms"] for m in steps) if steps else None,
                                "steps": len(steps), "error": _failed_run(res03)}
-    res07 = _launch(SCRIPTS / "07_precision.py", nproc=1, name="gpucheck-default-07", timeout=150)
+    res07 = _launch(SCRIPTS / "07b_precision.py", nproc=1, name="gpucheck-default-07", timeout=150)
     rows = [m for m in res07.metrics.get(0, []) if m.get("part") == "recipe"]
-    figures["07_precision"] = {"status": res07.status, "backend": res07.manifest.get("backend"),
+    figures["07b_precision"] = {"status": res07.status, "backend": res07.manifest.get("backend"),
                                "error": _failed_run(res07),
                                "recipes": {m["recipe"]: {"num_params": m["num_params"], "cuda_peak": m.get("cuda_peak"),
                                                          "cuda_held": m.get("cuda_held")} for m in rows}}
-    f3, f7 = figures["03_ddp_train"], figures["07_precision"]
+    f3, f7 = figures["03_ddp_train"], figures["07b_precision"]
     text = (f"ch03 DDP defaults ({f3['params']} params, batch {f3['batch']}, {f3['backend']}): "
             + (f"{f3['median_step_ms']:.2f} ms/step (forward {f3['median_forward_ms']:.2f}, backward "
                f"{f3['median_backward_ms']:.2f})" if f3["median_step_ms"] else f"FAILED {f3['error']}")

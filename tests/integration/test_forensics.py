@@ -1,6 +1,6 @@
 """Hang forensics (run/forensics.py): real 3-rank jobs broken in each way the diagnosis names; each test reads one
 run's Flight Recorder dumps. Rank 0 is the odd one out where the fault has one, rank 1 where a rank goes missing,
-so blaming the first or the last rank by habit fails. The four faults of scripts/08_hangs.py are chapter 08b's own
+so blaming the first or the last rank by habit fails. The four faults of scripts/08b_hangs.py are chapter 08b's own
 runs (its smoke run, which CI executes anyway: `smoke_chapter`), and so is a skip inside a TP group of a 2 x 2
 mesh (the script's --group); the crash, the failed rendezvous and two more faults inside subgroups (the wrong
 operation in a DP group, the wrong sizes in a TP group) are launched here, side by side."""
@@ -18,7 +18,7 @@ from tests.conftest import JOBS, ROOT, chapter, chapter_run, run_cli
 
 CHAPTER = ROOT / "notebooks" / "08b_hangs_and_desyncs.ipynb"
 pytestmark = chapter(CHAPTER.stem)  # one worker: the chapter and the module's launches are run once
-HANGS = ROOT / "scripts" / "08_hangs.py"
+HANGS = ROOT / "scripts" / "08b_hangs.py"
 FAULTS = JOBS / "faults.py"
 NPROC = 3
 CHAPTERS_OWN = ("mismatch", "skip", "shape", "straggler")  # its runs 08-fr-<mode>

@@ -1,4 +1,4 @@
-"""A fault for the forensics tests that chapter 08b's hang script (scripts/08_hangs.py) does not make.
+"""A fault for the forensics tests that chapter 08b's hang script (scripts/08b_hangs.py) does not make.
 
     --mode rendezvous  every rank asks for one rank more than torchrun started: no process group ever forms
 """

@@ -1,6 +1,6 @@
 """Grader of ex08 part 2: read the Flight Recorder dumps (run it with `gpucourse grade ex08_read_the_dumps`).
 
-Ten faults are injected into real 4-rank jobs of chapter 08b's scripts/08_hangs.py (--mode, --rank, --step), run
+Ten faults are injected into real 4-rank jobs of chapter 08b's scripts/08b_hangs.py (--mode, --rank, --step), run
 once (5 side by side) for every submission of a grading batch; the submission's `diagnose` reads each job's dumps
 and exit codes, and one test per fault scores its answer against what was injected (not against gpucourse's own
 diagnosis). The faults come from a seed: random
@@ -58,11 +58,11 @@ def draw(seed: int) -> list[dict]:
 
 
 def job(fault: dict, number: int) -> dict:
-    """The launch of one fault: 08_hangs.py with its mode, culprit and step, stopped after STALL_S of silence."""
+    """The launch of one fault: 08b_hangs.py with its mode, culprit and step, stopped after STALL_S of silence."""
     steps = fault["step"] + (1 if fault["kind"] == "missing" else 2)
     args = ["--mode", MODES[fault["kind"]], "--rank", str(fault["rank"]), "--step", str(fault["step"]),
             "--steps", str(steps)]
-    return {"script": course_root() / "scripts" / "08_hangs.py", "nproc": WORLD, "args": args, "backend": "gloo",
+    return {"script": course_root() / "scripts" / "08b_hangs.py", "nproc": WORLD, "args": args, "backend": "gloo",
             "name": f"grade-ex08-dumps-{number}-{fault['kind']}", "stall_timeout": STALL_S,
             "timeout": JOB_TIMEOUT_S, "check": False, "env": {DEVICE_ENV: "cpu", "OMP_NUM_THREADS": "1"}}
 
@@ -105,7 +105,7 @@ def graded(submission) -> dict:
 def problem(fault: dict, got: dict) -> str | None:
     """None when the answer names the injected culprit, collective and kind; else what was wrong, with the truth."""
     truth = ([fault["rank"]], fault["step"] + 1, fault["kind"])
-    injected_as = (f"injected: 08_hangs.py --mode {MODES[fault['kind']]} --rank {fault['rank']} --step "
+    injected_as = (f"injected: 08b_hangs.py --mode {MODES[fault['kind']]} --rank {fault['rank']} --step "
                    f"{fault['step']}, so ranks {truth[0]}, collective #{truth[1]}, {truth[2]}")
     if "error" in got:
         return f"{got['error']} ({injected_as})"

@@ -1,6 +1,6 @@
 """Chapter 07b: mixed precision, recipe by recipe: the bytes each holds, loss scaling, and master weights.
 
-    torchrun --nproc-per-node 1 scripts/07_precision.py [--width 256 --depth 8 --steps 3]
+    torchrun --nproc-per-node 1 scripts/07b_precision.py [--width 256 --depth 8 --steps 3]
 
 One rank is enough: precision is about what each rank holds and computes, whatever the world size. Parts:
   recipe    AdamW steps in each recipe (fp32; bf16 autocast; bf16 parameters + fp32 master weights; everything

@@ -223,7 +223,6 @@ def loss_plot(results: dict, sync_every: int, label: str = ""):
 def _dead_peer():
     """A stand-in for what torchft's _ManagedWork uses of a Manager (it records the error), and a work that fails as
     gloo's does when the peer's process died mid-all-reduce."""
-    os.environ.setdefault("RUST_LOG", "warn")
     import torch.distributed as dist
 
     class Log:
@@ -253,6 +252,7 @@ def torchft_hook_on_a_dead_peer() -> dict:
     sets up the chain: the assert then fails in the survivor, which dies with the replica it should outlive. Returns
     what that hook sees: {"wait returned", "future set up", "error recorded"}. Runs in this process, starts nothing.
     """
+    os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust extension loads (it reads it once)
     import torch
     from torchft.manager import _ManagedWork
 
@@ -269,6 +269,7 @@ def fsdp_hook_on_a_dead_peer() -> dict:
     Manager's all-reduce, whose work is the same `_ManagedWork`, and torch's all_reduce only waits on it: the error is
     recorded for should_commit, False is returned, and nothing after it asserts. Returns {"all_reduce returned",
     "error recorded"}. Runs in this process, starts nothing."""
+    os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust extension loads (it reads it once)
     import torch
     import torch.distributed as dist
     from torchft.manager import _ManagedWork

@@ -94,16 +94,20 @@ def membership(runs: dict) -> pd.DataFrame:
 
 
 def compared(runs: dict) -> dict:
-    """The replicas' parameters, step by step, from their logged digests: the steps at which every replica logged
-    one, how many of those agree bit for bit, and how many of the replicas' steps with a peer in the quorum passed
-    the run's own bitwise check against it (`same`)."""
-    by_step = [{r["step"]: r for r in steps(result.metrics[0]) if r["committed"]} for result in runs.values()]
-    common = sorted(set.intersection(*(set(s) for s in by_step)))
-    agree = [s for s in common if len({m[s]["digest"] for m in by_step}) == 1]
-    return {"steps all logged": len(common), "steps bit-identical": len(agree),
-            "first common step after a return": min((s for s in common if any(m[s]["healed"] or m[s]["attempt"]
-                                                                              for m in by_step)), default=None),
-            "in-run checks passed": sum(r["same"] for m in by_step for r in m.values() if r["replicas"] > 1)}
+    """The replica groups' parameters, step by step, from their logged digests, rank by rank (each rank's digest is of
+    its shards: rank r of one group is compared with rank r of the others): the steps at which every rank of every
+    group logged one, how many of those agree bit for bit on every rank, and how many of the ranks' steps with a peer
+    group in the quorum passed the run's own bitwise check against it (`same`). runs: {replica: RunResult}."""
+    ranks = sorted(set.intersection(*(set(result.metrics) for result in runs.values())))
+    logged = [{(rank, r["step"]): r for rank in ranks for r in steps(result.metrics[rank]) if r["committed"]}
+              for result in runs.values()]
+    everywhere = set.intersection(*(set(m) for m in logged))  # (rank, step) that every group logged
+    common = sorted(s for s in {s for _, s in everywhere} if all((rank, s) in everywhere for rank in ranks))
+    agree = [s for s in common if all(len({m[rank, s]["digest"] for m in logged}) == 1 for rank in ranks)]
+    back = [s for s in common if any(m[rank, s]["healed"] or m[rank, s]["attempt"] for m in logged for rank in ranks)]
+    return {"steps all logged": len(common), "steps bit-identical": len(agree), "ranks compared": len(ranks),
+            "first common step after a return": min(back, default=None),
+            "in-run checks passed": sum(r["same"] for m in logged for r in m.values() if r["replicas"] > 1)}
 
 
 @as_table
@@ -216,8 +220,31 @@ def loss_plot(results: dict, sync_every: int, label: str = ""):
     return finished(fig)
 
 
+def _dead_peer():
+    """A stand-in for what torchft's _ManagedWork uses of a Manager (it records the error), and a work that fails as
+    gloo's does when the peer's process died mid-all-reduce."""
+    import torch.distributed as dist
+
+    class Log:
+        def exception(self, msg):  # torchft logs the error here
+            pass
+
+    class Manager:
+        _logger, _pg, error = Log(), None, None
+
+        def report_error(self, e):
+            self.error = e
+
+    class PeerGone(dist._Work):
+        def wait(self, timeout=None):
+            raise RuntimeError("Connection closed by peer")
+
+    return Manager(), PeerGone
+
+
 def torchft_hook_on_a_dead_peer() -> dict:
-    """The smallest reproduction of why 08d_survive.py brings its own DDP gradient hook (torchft 0.2.0 on gloo).
+    """The smallest reproduction of why 08d_survive.py does not replicate through torchft's DistributedDataParallel
+    (torchft 0.2.0 on gloo).
 
     torchft.ddp.DistributedDataParallel's hook calls `work.wait()` on the Manager's all-reduce, then asserts that the
     work's future chain was set up (`assert fut._fut`). Given a work whose wait() raises as gloo's does when the peer's
@@ -225,27 +252,30 @@ def torchft_hook_on_a_dead_peer() -> dict:
     sets up the chain: the assert then fails in the survivor, which dies with the replica it should outlive. Returns
     what that hook sees: {"wait returned", "future set up", "error recorded"}. Runs in this process, starts nothing.
     """
-    os.environ.setdefault("RUST_LOG", "warn")
+    os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust extension loads (it reads it once)
     import torch
-    import torch.distributed as dist
     from torchft.manager import _ManagedWork
 
-    class Log:
-        def exception(self, msg):  # torchft logs the error here
-            pass
-
-    class Manager:  # what _ManagedWork uses of a Manager
-        _logger, error = Log(), None
-
-        def report_error(self, e):
-            self.error = e
-
-    class PeerGone(dist._Work):  # gloo's work when the other process died mid-all-reduce
-        def wait(self, timeout=None):
-            raise RuntimeError("Connection closed by peer")
-
-    manager = Manager()
+    manager, PeerGone = _dead_peer()
     work = _ManagedWork(manager, PeerGone(), torch.zeros(4))
     waited = work.wait()
     return {"wait returned": waited, "future set up": work.get_future()._fut is not None,
             "error recorded": str(manager.error)}
+
+
+def fsdp_hook_on_a_dead_peer() -> dict:
+    """The same dead peer on the path 08d_survive.py takes (torchft's HSDP): FSDP2's all-reduce hook calls
+    `dist.all_reduce(shard, group=ManagedProcessGroup(manager))`; torchft's ManagedProcessGroup hands the shard to the
+    Manager's all-reduce, whose work is the same `_ManagedWork`, and torch's all_reduce only waits on it: the error is
+    recorded for should_commit, False is returned, and nothing after it asserts. Returns {"all_reduce returned",
+    "error recorded"}. Runs in this process, starts nothing."""
+    os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust extension loads (it reads it once)
+    import torch
+    import torch.distributed as dist
+    from torchft.manager import _ManagedWork
+    from torchft.process_group import ManagedProcessGroup
+
+    manager, PeerGone = _dead_peer()
+    manager.allreduce = lambda tensor, reduce_op: _ManagedWork(manager, PeerGone(), tensor)
+    dist.all_reduce(torch.zeros(4), group=ManagedProcessGroup(manager), op=dist.ReduceOp.AVG)
+    return {"all_reduce returned": True, "error recorded": str(manager.error)}

@@ -1,6 +1,7 @@
-"""Chapter 08d's runs, read from its smoke run (`smoke_chapter`, which CI executes anyway): a replica group SIGKILLed
-mid-step while the other trains on alone, healed live from its peer, and bit-identical to it from then on; DiLoCo's
-all-reduces counted against DDP's on the same data."""
+"""Chapter 08d's runs, read from its smoke run (`smoke_chapter`, which CI executes anyway): a rank of a replica group
+SIGKILLed mid-step, its whole group restarted while the other trains on alone, healed live from its peer (each rank
+its shards), and bit-identical to it, shard by shard, from then on; DiLoCo's all-reduces counted against DDP's on the
+same data."""
 import json
 
 import pytest
@@ -32,6 +33,8 @@ def test_the_survivor_never_restarted_and_the_killed_replica_came_back_once(runs
     killed = int(dict(zip(*[iter(found[0].manifest["args"])] * 2))["--kill-replica"])
     assert [len(attempts(res.run_dir)) for r, res in sorted(found.items())] == [2 if r == killed else 1
                                                                                for r in sorted(found)]
+    assert len({res.world_size for res in found.values()}) == 1, "the groups have different numbers of ranks"
+    assert all(len(ch08d.steps(res.metrics[rank])) > 0 for res in found.values() for rank in range(res.world_size))
     survivor = ch08d.steps(found[1 - killed].metrics[0])
     assert any(r["replicas"] == 1 and r["committed"] for r in survivor), "the survivor never stepped alone"
     assert sum(not r["committed"] for r in survivor) >= 1, "the step the replica died in was not dropped"
@@ -42,7 +45,9 @@ def test_after_the_return_the_replicas_are_bit_identical(runs):
     found = replicas(runs)
     same = ch08d.compared(found)
     assert same["steps bit-identical"] == same["steps all logged"] and same["first common step after a return"]
-    assert all(r["same"] for res in found.values() for r in ch08d.steps(res.metrics[0]) if r["replicas"] > 1)
+    assert same["ranks compared"] == found[0].world_size
+    assert all(r["same"] for res in found.values() for recs in res.metrics.values() for r in ch08d.steps(recs)
+               if r["replicas"] > 1)
 
 
 def test_diloco_sends_one_model_every_sync_every_steps(runs):

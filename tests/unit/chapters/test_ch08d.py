@@ -8,8 +8,8 @@ from gpucourse.chapters import ch08d
 
 
 class Run:  # what ch08d reads of a RunResult
-    def __init__(self, records):
-        self.metrics = {0: records}
+    def __init__(self, records, *more_ranks):
+        self.metrics = dict(enumerate([records, *more_ranks]))
 
 
 def step(s, replicas, attempt=0, committed=True, digest="d", healed=False, t=None):
@@ -51,6 +51,24 @@ def test_compared_finds_a_step_whose_digests_differ():
     assert same["first common step after a return"] == 6
     runs[1].metrics[0][-1]["digest"] = "other"
     assert ch08d.compared(runs)["steps bit-identical"] == 5
+
+
+def test_compared_checks_each_rank_against_the_same_rank_of_the_other_groups():
+    def sharded():  # two ranks a group: rank 1's digests are its own shards'
+        runs = survive_runs()
+        for run in runs.values():
+            run.metrics[1] = [{**r, "digest": "rank1-" + r["digest"]} for r in run.metrics[0]]
+        return runs
+
+    same = ch08d.compared(sharded())
+    assert same["ranks compared"] == 2 and same["steps all logged"] == same["steps bit-identical"] == 6
+    assert same["in-run checks passed"] == 2 * ch08d.compared(survive_runs())["in-run checks passed"]
+    runs = sharded()
+    runs[1].metrics[1][-1]["digest"] = "other"  # rank 1 of replica 1 differs at its last step; rank 0 agrees
+    assert ch08d.compared(runs)["steps bit-identical"] == 5
+    runs = sharded()
+    del runs[0].metrics[1][-1]  # a step rank 1 of replica 0 never logged is no common step
+    assert ch08d.compared(runs)["steps all logged"] == 5
 
 
 def test_against_uninterrupted_counts_the_samples_the_dead_replica_never_trained_on():
@@ -114,3 +132,9 @@ def test_torchft_hook_on_a_dead_peer_reproduces_the_missing_future():
     pytest.importorskip("torchft")
     seen = ch08d.torchft_hook_on_a_dead_peer()
     assert seen == {"wait returned": False, "future set up": False, "error recorded": "Connection closed by peer"}
+
+
+def test_fsdp_hook_on_a_dead_peer_returns_with_the_error_recorded():
+    pytest.importorskip("torchft")
+    assert ch08d.fsdp_hook_on_a_dead_peer() == {"all_reduce returned": True,
+                                                "error recorded": "Connection closed by peer"}

@@ -16,6 +16,7 @@ from statistics import median
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from ..models import training
 from ..run import forensics
@@ -81,6 +82,7 @@ def step_times_plot(metrics: dict, label: str) -> Figure:
         ax.plot(*zip(*saved), "v", color="black", ms=7, label=None if mode == "async" else "step that saved")
     ax.axhline(healthy * 1e3, color="grey", ls="--", label=f"healthy median {healthy * 1e3:.0f} ms")
     ax.set(xlabel="step", ylabel="step time (ms)", title=f"Step times around the saves, rank 0 ({label})")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.legend(fontsize=8)
     return plots.finished(fig)
 

@@ -140,3 +140,10 @@ def test_figures_are_labelled(run):
     for fig in (ch08c.step_times_plot(run.metrics, "cpu · gloo · 2 ranks"),
                 ch08c.goodput_plot(costs, 3600.0, "cpu · gloo · 2 ranks")):
         assert isinstance(fig, Figure) and "cpu · gloo · 2 ranks" in fig.axes[0].get_title()
+
+
+def test_the_step_axis_counts_whole_steps(run):
+    ax = ch08c.step_times_plot(run.metrics, "cpu · gloo · 2 ranks").axes[0]
+    ax.set_xlim(19.4, 38.6)  # 19 steps: matplotlib's default ticks would fall every 2.5 steps
+    ticks = [t for t in ax.get_xticks() if 19.4 <= t <= 38.6]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks

@@ -48,6 +48,11 @@ micro-batches; FSDP's reduce-scatter averages over the dp groups. All micro-batc
 the mean over the whole global batch: what one process computes. The loss the last stage logs is the mean of its
 micro-batch losses, averaged over dp.
 
+Gradient clipping (--clip-norm, off by default) needs the norm of the WHOLE model's gradient, and no rank holds it:
+each rank sums the squares of the gradient shards it holds (a shard that every tp rank holds alike counted once,
+as Megatron-LM does), and one all-reduce over every rank adds the stages, the dp shards and the tp shards at once.
+torchtitan's first version summed over a stage only (torchtitan #596): the bug clip_norm_per_stage below.
+
 The check (on by default, left out in a dry run): every rank also trains the unsplit model, in this process, in
 float64, on the same global batches with the same optimizer, and compares each step's loss (last stage) and every
 gradient it holds with it. A rank compares its own shard of each gradient with the same slice of the one process's
@@ -96,6 +101,7 @@ drop what it does not run.
 """
 import argparse
 import copy
+import math
 import time
 import warnings
 from pathlib import Path
@@ -499,6 +505,9 @@ BUGS = {
     "dp_same_batch": "every dp group trains on the first rows of the global batch: the data not split by dp rank",
     "vocab_parallel_lse": "the loss's softmax normalised over each tp rank's slice of the vocabulary, its sum never "
                           "all-reduced over tp: the loss about log(tp) too low at the start",
+    "clip_norm_per_stage": "gradient clipping's norm summed over one pipeline stage's ranks, never over the stages "
+                           "(torchtitan #596): each stage clips by its own norm; the gradients are right, the update "
+                           "is not, so the run parts from one process a step later",
 }
 
 
@@ -509,6 +518,27 @@ def init_shards_same_seed(part: nn.Module, seed: int) -> None:
         for name, p in part.named_parameters():
             if name.endswith("weight") and isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
                 p.to_local().normal_(0.0, 0.02, generator=gen)
+
+
+@torch.no_grad()
+def clip_grad_norm(part: nn.Module, max_norm: float, mesh, group) -> None:
+    """Scale this rank's gradients so that the whole model's gradient norm is at most max_norm. Each rank sums the
+    squares of the shards it holds, a shard that k ranks of its stage hold alike divided by k (every dp x tp rank
+    holds a plain tensor; a DTensor is cut over its mesh dimensions that do not Replicate), then one all-reduce
+    over every rank (group None), or over `group` (clip_norm_per_stage: this stage's dp x tp ranks only)."""
+    stage_ranks = mesh["dp"].size() * mesh["tp"].size()
+    squares = torch.zeros((), dtype=torch.float64, device=next(part.parameters()).device)
+    for p in part.parameters():
+        if p.grad is not None:
+            g = p.grad
+            cuts = math.prod(n for n, pl in zip(g.device_mesh.shape, g.placements) if not pl.is_replicate()) \
+                if isinstance(g, DTensor) else 1  # not is_shard(): FSDP2's _StridedShard over TP is not one
+            squares += local_of(g).double().square().sum() * cuts / stage_ranks
+    dist.all_reduce(squares, group=group)
+    scale = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
+    for p in part.parameters():
+        if p.grad is not None:
+            local_of(p.grad).mul_(scale.to(p.grad.dtype))
 
 
 def vocab_parallel_lse_loss(tp_rank: int, tp: int):
@@ -544,6 +574,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences (split over the dp groups)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip-norm", type=float, default=0.0,
+                   help="clip the whole model's gradient norm to at most this (0: no clipping)")
     p.add_argument("--dtype", choices=["float64", "float32", "bfloat16"], default="float64")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="train the one-process model beside it and compare (off in a dry run)")
@@ -594,6 +626,8 @@ def check_sizes(args, world_size: int) -> None:
         raise ValueError("--kv-heads and --ffn are --arch llama's")
     if args.arch == "llama" and args.bug != ["none"]:
         raise ValueError("--bug is injected into the GPT (--arch gpt) only")
+    if "clip_norm_per_stage" in args.bug and not args.clip_norm > 0:
+        raise ValueError("--bug clip_norm_per_stage is a clipping bug: give --clip-norm (for example 1.0)")
     if args.batch % (args.dp * args.micro):
         raise ValueError(f"--batch {args.batch} must be a multiple of --dp {args.dp} x --micro {args.micro}")
 
@@ -636,6 +670,8 @@ def train(args, ctx, mesh, data, bug: str) -> bool:
     schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.micro, loss_fn=loss,  # 4. the schedule
                                         scale_grads=bug != "micro_loss_scale")
     opt = torch.optim.AdamW(part.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
+    # clip_norm_per_stage's group: the stage's dp x tp ranks as one (torchtitan flattens mesh dimensions alike)
+    stage_group = mesh["dp", "tp"]._flatten().get_group() if bug == "clip_norm_per_stage" else None
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0, foreach=False) if check else None
     runtime.log(header=True, pp=args.pp, dp=args.dp, tp=args.tp, schedule=args.schedule, micro=args.micro,
                 params=n_params, stage_params=[n for n, _ in part.named_parameters()], vocab=data.vocab_size,
@@ -680,7 +716,11 @@ def train(args, ctx, mesh, data, bug: str) -> bool:
                                     grads=shards({n: p.grad for n, p in part.named_parameters()}))
                 ref_recorded[-1].update(loss=ref_loss.item(), grads={n: p.grad.detach().clone()
                                                                     for n, p in reference.named_parameters()})
+            if args.clip_norm:
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip_norm, foreach=False)
             ref_opt.step()
+        if args.clip_norm:  # after the check and the record: the gradients backward made, then the update
+            clip_grad_norm(part, args.clip_norm, mesh, stage_group)
         opt.step()
         runtime.log(step=step, total=args.steps, loss=runtime.value(step_loss) if last else None,
                     seconds=time.perf_counter() - start, bug=bug, **record)

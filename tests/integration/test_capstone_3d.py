@@ -3,7 +3,7 @@ computes what one process computes, and communicates what the formulas say, per 
 
 The run is chapter 13's own (its smoke run, which CI executes anyway: `smoke_chapter`), with the course's counter
 on ($GPUCOURSE_COUNT_FILE: each rank's collectives and point-to-point calls of the last step, by op and process
-group); its arguments are checked to be these tests'. That launch trains chapter 13's five silent bugs, then the
+group); its arguments are checked to be these tests'. That launch trains chapter 13's six silent bugs, then the
 right code (--bug ...,none): the tests read the right code's records, and the counter's last step is its. The script itself trains the one-process model beside the
 3-D one and compares every step's loss and every gradient (its own shard of it). Then a fake-tensor dry run of its
 first and last ranks, held to the same counts.
@@ -20,7 +20,8 @@ SCRIPT = ROOT / "scripts" / "13_gpt_3d.py"
 PP, DP, TP, MICRO, STEPS = 2, 2, 2, 2, 2
 LAYERS, D_MODEL, HEADS, CONTEXT, BATCH = 2, 32, 2, 16, 8
 ARGS = ["--pp", PP, "--dp", DP, "--tp", TP, "--micro", MICRO, "--steps", STEPS, "--layers", LAYERS,
-        "--d-model", D_MODEL, "--heads", HEADS, "--context", CONTEXT, "--batch", BATCH, "--schedule", "1f1b"]
+        "--d-model", D_MODEL, "--heads", HEADS, "--context", CONTEXT, "--batch", BATCH, "--schedule", "1f1b",
+        "--clip-norm", 1.0]
 WORLD = PP * DP * TP
 pytestmark = [pytest.mark.timeout(900), *chapter(CHAPTER.stem)]  # one worker runs the chapter, once
 
@@ -123,6 +124,14 @@ def test_tensor_parallel_collectives_are_the_sequence_parallel_formulas(counts):
         assert got == {"all_gather_single": (gathers, (gathers - MICRO * last) * act + MICRO * last * logits),
                        "reduce_scatter_single": (scatters, scatters * act),
                        "all_reduce": (norms, norms * D_MODEL * 8)}, (rank, got)
+
+
+def test_clipping_sums_its_norm_once_over_every_rank(counts):
+    """Gradient clipping needs the whole model's gradient norm: each rank's sum of squares, all-reduced once over
+    every rank (8 bytes, float64); no other collective spans the stages."""
+    for rank in range(WORLD):
+        whole = {op: v for (op, g), v in counts[rank].items() if g == tuple(range(WORLD))}
+        assert whole == {"all_reduce": (1, 8)}, (rank, counts[rank])
 
 
 def test_fsdp_gathers_and_reduces_each_unit_once_a_step_over_dp(counts):

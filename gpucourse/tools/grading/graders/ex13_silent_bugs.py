@@ -10,8 +10,11 @@ data of a grading comes from a seed: random per grading, shown in every test's n
 Each bug's place is known by construction, not computed here (the script's BUGS says what each one does):
 tp_same_seed re-draws the tensor-parallel weights, so block 0's q weight (the first of them) differs before any
 step; norm_grad_not_reduced leaves block 0's first norm's gradient a partial sum; micro_loss_scale multiplies every
-gradient, the token embedding's first; dp_same_batch and vocab_parallel_lse change the loss. Each breaks one 1-D
-control only (its dimension's). The right run must be left alone (None).
+gradient, the token embedding's first; dp_same_batch and vocab_parallel_lse change the loss; clip_norm_per_stage
+leaves step 0's loss and gradients right and clips them by each stage's own norm, so every parameter of the first
+stage with a gradient, the token embedding first, differs from step 1 on (Adam divides most of the clip's scale
+away: about 1e-8, far above the tolerance). Each breaks one 1-D control only (its dimension's). The right run
+must be left alone (None).
 
 Threat model: the submission runs in a Python process of its own (`python -I`: no PYTHON* variables, no user
 site), in an empty folder with an almost empty environment, given the records (loaded here) on its standard
@@ -41,7 +44,7 @@ pytestmark = pytest.mark.grader
 SCRIPT = course_root() / "scripts" / "13_gpt_3d.py"
 # The model of tests/integration/test_capstone_3d.py: 2 layers (one a stage), d_model 32, 2 heads, context 16.
 SIZES = ["--layers", "2", "--d-model", "32", "--heads", "2", "--context", "16", "--batch", "8", "--steps", "2",
-         "--schedule", "1f1b"]
+         "--schedule", "1f1b", "--clip-norm", "1.0"]
 # name: (pp, dp, tp, micro-batches). Micro-batches belong to the pipeline: the dp and tp controls take one.
 LAYOUTS = {"3d": (2, 2, 2, 2), "pp": (2, 1, 1, 2), "dp": (1, 2, 1, 1), "tp": (1, 1, 2, 1)}
 # bug: (step, what, name, dim), known by construction (the module's docstring)
@@ -52,6 +55,7 @@ TRUTH = {
     "micro_loss_scale": (0, "grad", "embed.tok.weight", "pp"),
     "dp_same_batch": (0, "loss", None, "dp"),
     "vocab_parallel_lse": (0, "loss", None, "tp"),
+    "clip_norm_per_stage": (1, "param", "embed.tok.weight", "pp"),
 }
 BUGS = [b for b in TRUTH if b != "none"]
 TOL = 1e-10

@@ -163,11 +163,30 @@ EXPECTED = {
     "08c.your-interval": lambda: (2 * 0.25 * 54 * 86400 / 419 * 16384 / 1024) ** 0.5 / 60,
     "08c.goodput": lambda: 100 * 1800 / 1820 * (1 - (1800 + 1820 / 2) / (20 * 3600)),
     "08c.audit-hiccups": lambda: 1.0 + 0.4 * (1 - 0.999 ** 16384),
+    "08c.async-gain": lambda: 100 * (async_goodput(0.5, 30.0) - async_goodput(20.0, 0.0)),
+    "08c.one-slow-rank": lambda: 100 * ((0.8 * 1.2 + 0.2) / (0.8 + 0.2) - 1),  # the slowest rank's work + the sync
     # Llama 3 405B, tp 8 x pp 16 x dp 128, 16 micro-batches of one 8K sequence; the first stage holds 7 layers
     "13.pp-send": lambda: 16 * 8192 * 16384 * 2 / 8 / 1e9,  # a send a micro-batch, 1/tp of the sequence
     "13.tp-gathers": lambda: 7 * 16 * 4 * 8192 * 16384 * 2 / 1e9,  # 2 forward + 2 backward a layer and micro-batch
     "13.audit-last-shard": lambda: 128256 // 8 - 126 * 127,  # pieces of ceil(16,032 / 128) = 126
+    # the first stage's tp shard (7 layers and the embedding over tp 8): bf16 gathered, fp32 reduce-scattered
+    "13.dp-traffic": lambda: first_stage_tp_shard() * (2 + 4) / 1e9,
+    "13.tp-over-pp": lambda: 7 * 8 * 8,  # per micro-batch 7 layers x 8 whole-sequence buffers, against 1/tp of one
 }
+
+
+def first_stage_tp_shard():
+    """Llama 3 405B's first stage (7 layers and the embedding), one tp rank's eighth: its parameters."""
+    return (7 * planner.shape_params("llama3-405b")["layer_dense"] + 128256 * 16384) / 8
+
+
+def async_goodput(lost_s, lag_s, gpus=1024):
+    """Goodput at Young/Daly's interval, Llama 3's MTBF (54 days / 419 on 16,384 GPUs) scaled to `gpus`."""
+    mtbf = 54 * 86400 / 419 * 16384 / gpus
+    tau = math.sqrt(2 * lost_s * mtbf)
+    return tau / (tau + lost_s) * (1 - ((tau + lost_s) / 2 + lag_s) / mtbf)
+
+
 # Published figures the answers must agree with (the ZeRO paper's Figure 1, Llama 3's parameter count, the
 # memory calculator's preset): the course's formulas reproduce them.
 PUBLISHED_FIGURES = {"07.zero1-7b5": 31.4, "07.zero2-7b5": 16.6, "07.audit-widget-vocab": 8.03 - 6.57,
@@ -175,9 +194,9 @@ PUBLISHED_FIGURES = {"07.zero1-7b5": 31.4, "07.zero2-7b5": 16.6, "07.audit-widge
 
 
 def test_each_chapter_has_five_problems_or_more_and_three_audits_in_all():
-    for chapter in ("01", "02", "03", "04", "05", "06", "07", "07b", "08", "09", "10", "11", "12"):
+    for chapter in ("01", "02", "03", "04", "05", "06", "07", "07b", "08", "08c", "09", "10", "11", "12", "13"):
         assert len(problems.CHAPTERS[chapter]) >= 5, chapter
-    for chapter in ("02", "03", "04", "06", "07b", "08", "09", "10", "11"):  # one of each, at least
+    for chapter in ("02", "03", "04", "06", "07b", "08", "08c", "09", "10", "11"):  # one of each, at least
         assert {"your run", "audit"} <= {p.level for p in problems.CHAPTERS[chapter]}, chapter
     assert sum(p.level == "audit" for p in ALL) >= 3
     assert len({p.id for p in ALL}) == len(ALL)  # ids unique

@@ -6,6 +6,7 @@
     with ch08d.lighthouse() as lh:        # torchft's Lighthouse, in this process, shut down on every way out
         ...                               # launch the replica groups with TORCHFT_LIGHTHOUSE=lh.address
     ch08d.membership(runs)                # each replica group: its attempts, the steps it missed, its last step
+    ch08d.short_steps(runs)               # the steps committed, and those with a replica missing
 
 A run is a RunResult of one replica group (one launch); `runs` is {replica index: RunResult}. A table is a
 `viz.tables.Table` (`@as_table`); a figure a matplotlib Figure that says where its numbers came from.
@@ -110,6 +111,24 @@ def compared(runs: dict) -> dict:
             "in-run checks passed": sum(r["same"] for m in logged for r in m.values() if r["replicas"] > 1)}
 
 
+def survivor(runs: dict) -> list[dict]:
+    """The step records of a replica that never restarted (the first such): it logged every step the job committed,
+    each with the size of its quorum. runs: {replica: RunResult}."""
+    for result in runs.values():
+        recs = steps(result.metrics[0])
+        if recs and all(r["attempt"] == 0 for r in recs):
+            return recs
+    raise ValueError("every replica restarted: no one logged every committed step")
+
+
+def short_steps(runs: dict) -> dict:
+    """The job's committed steps, and how many of them it committed with a replica missing from the quorum (read from
+    a replica that never died): the inputs of training.replica_loss for the run. runs: {replica: RunResult}."""
+    committed = [r for r in survivor(runs) if r["committed"]]
+    return {"replicas": len(runs), "steps": len(committed),
+            "short": sum(r["replicas"] < len(runs) for r in committed)}
+
+
 @as_table
 def against_uninterrupted(runs: dict, batch: int) -> pd.DataFrame:
     """What the run kept of an uninterrupted one, counted: the committed steps (the same: the step count never went
@@ -118,7 +137,8 @@ def against_uninterrupted(runs: dict, batch: int) -> pd.DataFrame:
     recs = {replica: steps(result.metrics[0]) for replica, result in runs.items()}
     final = max(r[-1]["step"] for r in recs.values()) + 1
     replicas = len(runs)
-    trained = sum(r["replicas"] for r in recs[next(iter(recs))] if r["committed"]) * batch
+    # from a replica that never died: the killed one has no records of the steps it missed
+    trained = sum(r["replicas"] for r in survivor(runs) if r["committed"]) * batch
     rows = [{"quantity": "committed steps", "this run": final, "uninterrupted": final},
             {"quantity": "samples trained on", "this run": trained, "uninterrupted": final * replicas * batch}]
     for row in rows:

@@ -532,7 +532,7 @@ def zero_comm_volume(num_params, stage, bytes_per_elem=2):
     return (3 if stage == 3 else 2) * num_params * bytes_per_elem
 
 
-# --- 8. FSDP, HSDP and DDP as one family: what each collective carries per step (chapter 07) ----------------
+# --- 8. FSDP, HSDP and DDP as one family: what each collective carries per step (chapter 07; DiLoCo 08d) ---
 
 def sharded_dp_comm_bytes(param_bytes, replicate, shard, *, grad_bytes=None, reshard_after_forward=True):
     """The collectives of one training step under fully_shard on a (replicate x shard) mesh, per rank.
@@ -566,6 +566,19 @@ def sharded_dp_comm_bytes(param_bytes, replicate, shard, *, grad_bytes=None, res
         out["all_reduce"] = {"group": "replicate", "ranks": replicate, "calls_bytes": grad_bytes / shard,
                              "sent": bytes_moved_per_rank("all_reduce", grad_bytes / shard, replicate)}
     return out
+
+
+def diloco_bytes(param_bytes, steps, sync_every=1):
+    """Bytes each replica hands to all-reduces over `steps` training steps when replicas sync every `sync_every`
+    steps: data parallelism all-reduces a gradient the size of the parameters every step (sync_every=1); DiLoCo
+    (Douillard et al. 2023, arXiv 2311.08105) all-reduces the pseudo-gradient, also the parameters' size, once every
+    H = sync_every inner steps: param_bytes * (steps // sync_every), H times fewer (chapter 08d's run counts it).
+    On the wire a ring all-reduce of it moves 2(n-1)/n of that a rank (bytes_moved_per_rank)."""
+    _check_nonneg(param_bytes, "param_bytes")
+    for value, name in ((steps, "steps"), (sync_every, "sync_every")):
+        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                 f"{name} must be a whole number >= 1, got {value!r}")
+    return param_bytes * (steps // sync_every)
 
 
 # --- 9. bytes per parameter, by optimizer and precision (chapter 07) ----------------------------------------

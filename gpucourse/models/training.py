@@ -1,8 +1,10 @@
 """What a training run's records say, and the two assumptions behind the linear scaling rule, measured
 (chapter 04: large batches); the arithmetic of a run's data and time: what DistributedSampler gives each rank
-(chapters 02, 04), steps against examples around the critical batch (McCandlish et al. 2018), how often to
-checkpoint a job that fails (chapter 08) and its goodput with a blocking or an asynchronous save (chapter 08c), and
-the slow rank: the pace of a synchronous step, and the rank that sets it named from its waits (chapter 08c).
+(chapters 02, 04) and what uneven shards cost (chapter 08b), steps against examples around the critical batch
+(McCandlish et al. 2018), how often to checkpoint a job that fails (chapter 08), what a hang idles (chapter 08b), a
+job's goodput with a blocking or an asynchronous save (chapter 08c), the slow rank: the pace of a synchronous step,
+and the rank that sets it named from its waits (chapter 08c), and the samples a job that trains through failures
+loses (chapter 08d).
 
     from gpucourse.models import training
     runs = training.curves(result.metrics[0])          # {rule: {"header": {...}, "points": [records]}}
@@ -143,6 +145,25 @@ def steps_per_epoch(items: int, batch_per_rank: int, world_size: int, *, drop_la
     return math.ceil(sampler_shard(items, world_size, drop_last=drop_last)["per_rank"] / batch_per_rank)
 
 
+def uneven_shards(batches: list[int] | tuple[int, ...]) -> dict:
+    """What uneven shards (rank r holds batches[r] batches: a data set that does not split evenly, ranks that filter
+    their data differently) cost under the two fixes of chapter 08b, where every rank must run the same collectives:
+    {"common_steps": min(batches), the steps every rank can run (the exercise's all-reduce with MIN, or
+    DistributedSampler(drop_last=True)); "dropped": the batches that fix never trains on, sum - N * min;
+    "join_steps": max(batches), the steps under torch's Join, which trains every batch; "shadowed": the steps ranks
+    spend under Join with no batch left, joining the others' all-reduces with zeros, N * max - sum; "idle_share":
+    shadowed / (N * max), the share of the ranks' steps under Join that train nothing; "dropped_share": dropped / sum,
+    the share of the data the common step count leaves out}."""
+    if not batches:
+        raise ValueError("uneven_shards needs each rank's batch count")
+    for b in batches:
+        _whole(b, "each rank's batches", low=0)
+    n, total, low, high = len(batches), sum(batches), min(batches), max(batches)
+    dropped, shadowed = total - n * low, n * high - total
+    return {"common_steps": low, "dropped": dropped, "join_steps": high, "shadowed": shadowed,
+            "idle_share": shadowed / (n * high) if high else 0.0, "dropped_share": dropped / total if total else 0.0}
+
+
 # --- steps against examples: the critical batch (McCandlish et al. 2018, arXiv 1812.06162) ----------------
 def batch_tradeoff(batch: float, critical_batch: float) -> dict:
     """Steps and examples a run at a fixed `batch` needs to reach a given loss, over their minimums:
@@ -186,6 +207,23 @@ def checkpoint_overhead(interval_s: float, checkpoint_s: float, mtbf_s: float, r
                          f"{interval_s!r}, {mtbf_s!r}, {checkpoint_s!r}, {restart_s!r}")
     parts = {"saving": checkpoint_s / interval_s, "rework": interval_s / 2 / mtbf_s, "restart": restart_s / mtbf_s}
     return {**parts, "total": sum(parts.values())}
+
+
+# --- hangs (chapter 08b) ------------------------------------------------------------------------------------
+# What init_process_group waits in a stuck collective when given no timeout (torch.distributed.constants:
+# default_pg_timeout, default_pg_nccl_timeout; torch's documentation of init_process_group), in seconds. Chapter 08
+# reads them from torch; tests/unit/models/test_training.py holds these to the installed torch's.
+DEFAULT_TIMEOUTS_S = {"gloo": 30 * 60, "nccl": 10 * 60}
+
+
+def hang_gpu_hours(gpus: int, wait_s: float) -> float:
+    """GPU-hours a hang idles: every GPU of the job waits `wait_s` seconds (in the stuck collective until the hang is
+    detected, on NCCL the watchdog's timeout, DEFAULT_TIMEOUTS_S, then whatever comes before work resumes: a
+    restart), gpus * wait_s / 3600."""
+    _whole(gpus, "gpus")
+    if not wait_s >= 0:
+        raise ValueError(f"wait_s must be >= 0, got {wait_s!r}")
+    return gpus * wait_s / 3600
 
 
 # --- checkpoints that do not stop training, and slow ranks (chapter 08c) -----------------------------------
@@ -282,3 +320,22 @@ def straggler(rows: list[dict]) -> dict:
     others = median(busy[k] for k in ranks if k != slow)
     return {"rank": slow, "busy_s": busy, "wait_s": wait, "extra_s": busy[slow] - others,
             "slowdown": busy[slow] / others if others > 0 else math.inf}
+
+
+# --- training through failures: replica groups (chapter 08d) -----------------------------------------------------
+def replica_loss(replicas: int, down: float, span: float, *, failures: int = 1, missing: int = 1) -> dict:
+    """What failures cost a job of `replicas` replica groups that trains through them (torchft): while `missing`
+    groups are out (dead, restarting, healing), the others keep committing steps, each with fewer batches; the
+    missing groups' batches of those steps are never trained on. `down` is how long each failure keeps them out and
+    `span` the whole run, in one unit (steps, or seconds). {"samples": the share of an uninterrupted run's samples
+    lost, failures * down / span * missing / replicas; "full_restart": the share of the run's time a job that stops
+    every group for each failure (a classic torchrun restart, down long) loses, failures * down / span}. The few
+    seconds the survivors spend forming a quorum without the dead group, and the step they drop, are left out."""
+    _whole(replicas, "replicas")
+    _whole(failures, "failures", low=0)
+    _whole(missing, "missing")
+    if missing > replicas or not down >= 0 or not span > 0:
+        raise ValueError(f"missing must be <= replicas, down >= 0 and span > 0, got {missing!r}, {replicas!r}, "
+                         f"{down!r}, {span!r}")
+    idle = failures * down / span
+    return {"samples": idle * missing / replicas, "full_restart": idle}

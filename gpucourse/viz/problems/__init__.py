@@ -10,13 +10,15 @@ Add a problem: docs/problems.md.
 """
 from __future__ import annotations
 
-from . import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch07b, ch08, ch08c, ch09, ch10, ch11, ch12, ch13
+from . import (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch07b, ch08, ch08b, ch08c, ch08d, ch09, ch10, ch11, ch12,
+               ch13)
 from .base import Problem, ProblemSet, progress_by_chapter, progress_file, read_progress
 
 CHAPTERS: dict[str, list[Problem]] = {
     "01": ch01.PROBLEMS, "02": ch02.PROBLEMS, "03": ch03.PROBLEMS, "04": ch04.PROBLEMS, "05": ch05.PROBLEMS,
-    "06": ch06.PROBLEMS, "07": ch07.PROBLEMS, "07b": ch07b.PROBLEMS, "08": ch08.PROBLEMS, "08c": ch08c.PROBLEMS, "09": ch09.PROBLEMS,
-    "10": ch10.PROBLEMS, "11": ch11.PROBLEMS, "12": ch12.PROBLEMS, "13": ch13.PROBLEMS}
+    "06": ch06.PROBLEMS, "07": ch07.PROBLEMS, "07b": ch07b.PROBLEMS, "08": ch08.PROBLEMS, "08b": ch08b.PROBLEMS,
+    "08c": ch08c.PROBLEMS, "08d": ch08d.PROBLEMS, "09": ch09.PROBLEMS, "10": ch10.PROBLEMS, "11": ch11.PROBLEMS,
+    "12": ch12.PROBLEMS, "13": ch13.PROBLEMS}
 TITLES = {"01": "Chapter 01 · collectives: bus bandwidth and the alpha-beta model",
           "02": "Chapter 02 · data parallelism: shards, steps and the bytes accumulation and hooks send",
           "03": "Chapter 03 · profiling and scaling: the DDP step, its buckets and scaling efficiency",
@@ -26,7 +28,9 @@ TITLES = {"01": "Chapter 01 · collectives: bus bandwidth and the alpha-beta mod
           "07": "Chapter 07 · ZeRO: model states per GPU",
           "07b": "Chapter 07b · precision and recomputation: bytes per parameter, activations, FLOPs",
           "08": "Chapter 08 · nodes and failures: placement, checkpoints and the checkpoint interval",
-          "08c": "Chapter 08c · checkpoints and slow ranks: the interval, goodput and hiccups at scale",
+          "08b": "Chapter 08b · hangs and desyncs: what a hang idles, the Flight Recorder's reach, uneven shards",
+          "08c": "Chapter 08c · checkpoints and slow ranks: the interval, goodput, one slow rank and hiccups at scale",
+          "08d": "Chapter 08d · training through failures: the samples a lost replica costs, healing, DiLoCo's bytes",
           "09": "Chapter 09 · the 2-D capstone: FLOPs per token, MFU, memory and traffic per rank",
           "10": "Chapter 10 · context parallelism: bytes per rank, GQA and when a ring hop hides",
           "11": "Chapter 11 · expert parallelism: capacity, all-to-alls and active parameters",

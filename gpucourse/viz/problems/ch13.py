@@ -1,5 +1,6 @@
-"""Chapter 13's problems: what a 3-D job's groups carry (the planner's pipeline sends and tensor parallelism's
-all-gathers for Llama 3 405B on its published layout) and which rank holds less than its share (FSDP2's shards)."""
+"""Chapter 13's problems: what a 3-D job's groups carry (the planner's pipeline sends, tensor parallelism's
+all-gathers and FSDP's collectives over dp for Llama 3 405B on its published layout), how many times more the tp
+group carries than the pp group (why tp is innermost), and which rank holds less than its share (FSDP2's shards)."""
 from __future__ import annotations
 
 from ...models import planner, sharding
@@ -9,7 +10,7 @@ LLAMA3_LAYOUT = ("Grattafiori et al., The Llama 3 Herd of Models, arXiv 2407.217
                  "x pp 16 x dp 128 on 16,384 H100s, 8K sequences, 16M tokens a step")
 
 
-def _plan(model, tp, pp, dp, seq, global_batch, micro):
+def llama3_plan(model, tp, pp, dp, seq, global_batch, micro):
     """The planner's plan of the job, split as Llama 3 split its layers (the first and last stage one short)."""
     split = planner.llama3_stage_layers(planner.SHAPES[model]["layers"], pp)
     return planner.plan_parallelism(model, gpus=tp * pp * dp, dp=dp, tp=tp, pp=pp, seq=seq, global_batch=global_batch,
@@ -18,7 +19,7 @@ def _plan(model, tp, pp, dp, seq, global_batch, micro):
 
 
 def _stage_op(model, tp, pp, dp, seq, global_batch, micro, group, op):
-    plan = _plan(model, tp, pp, dp, seq, global_batch, micro)
+    plan = llama3_plan(model, tp, pp, dp, seq, global_batch, micro)
     found = next(c for c in plan["stages"][0]["collectives"] if (c["group"], c["op"]) == (group, op))
     return found, plan["stages"][0]["layers"], planner.SHAPES[model]["d_model"]
 
@@ -34,6 +35,23 @@ def _tp_gathers(model, tp, pp, dp, seq, global_batch, micro):
     return {"answer": gather["bytes"], "calls": gather["calls"], "layers": layers,
             "per_call_MB": gather["bytes"] / gather["calls"] / 1e6, "forward_only": gather["bytes"] / 2,
             "one_layer": gather["bytes"] / layers}
+
+
+def _dp_traffic(model, tp, pp, dp, seq, global_batch, micro):
+    gather, _, _ = _stage_op(model, tp, pp, dp, seq, global_batch, micro, "dp", "all_gather")
+    scatter, _, _ = _stage_op(model, tp, pp, dp, seq, global_batch, micro, "dp", "reduce_scatter")
+    return {"answer": gather["bytes"] + scatter["bytes"], "gather_GB": gather["bytes"] / 1e9,
+            "scatter_GB": scatter["bytes"] / 1e9, "params_B": gather["bytes"] / 2 / 1e9,
+            "gather_only": gather["bytes"], "every_micro": micro * gather["bytes"] + scatter["bytes"]}
+
+
+def _tp_over_pp(model, tp, pp, dp, seq, global_batch, micro):
+    gather, layers, _ = _stage_op(model, tp, pp, dp, seq, global_batch, micro, "tp", "all_gather")
+    scatter, _, _ = _stage_op(model, tp, pp, dp, seq, global_batch, micro, "tp", "reduce_scatter")
+    send, _, _ = _stage_op(model, tp, pp, dp, seq, global_batch, micro, "pp", "send")
+    return {"answer": (gather["bytes"] + scatter["bytes"]) / send["bytes"], "layers": layers,
+            "tp_GB": (gather["bytes"] + scatter["bytes"]) / 1e9, "pp_GB": send["bytes"] / 1e9,
+            "gathers_only": gather["bytes"] / send["bytes"]}
 
 
 def _last_shard(vocab, tp, dp):
@@ -70,6 +88,32 @@ PROBLEMS = [
                "one_layer": "That is one layer's: the stage has several."},
         solution="{layers} layers x {micro} micro-batches x 4 = {calls} all-gathers of {per_call_MB:.1f} MB: "
                  "{answer}."),
+    Problem(
+        "13.dp-traffic",
+        "The same job: FSDP over dp shards each stage's tp shards. Under the pipeline it all-gathers the bf16 weights "
+        "once a step (reshard_after_forward=False) and reduce-scatters the fp32 gradients once, after the last "
+        "micro-batch. How many GB do a first-stage rank's dp collectives carry in a step (the whole buffers' bytes)?",
+        inputs=dict(LLAMA), work=_dp_traffic, unit="GB", scale=1e9, digits=2, source=LLAMA3_LAYOUT,
+        hint="the buffers are the stage's tp shard of the weights: 2 bytes a parameter gathered, 4 a parameter "
+             "reduce-scattered, once each a step.",
+        traps={"gather_only": "That is the all-gather alone: the gradients' reduce-scatter carries twice as much "
+                              "(fp32).",
+               "every_micro": "That gathered the weights for every micro-batch (resharding after each forward): "
+                              "under a pipeline FSDP keeps them for the step."},
+        solution="the first stage's tp shard holds {params_B:.2f} B parameters: {gather_GB:.2f} GB gathered + "
+                 "{scatter_GB:.2f} GB reduce-scattered = {answer}."),
+    Problem(
+        "13.tp-over-pp",
+        "Section 1 puts tp innermost because it talks most. On a first-stage rank of the same job, how many times "
+        "more bytes do the tp group's all-gathers and reduce-scatters carry in a step than the pp group's sends?",
+        inputs=dict(LLAMA), work=_tp_over_pp, unit="x", digits=0, tolerance=0.01, level="combine",
+        source=LLAMA3_LAYOUT,
+        hint="tp: 2 all-gathers and 2 reduce-scatters of the whole sequence's activations per layer and micro-batch, "
+             "forward and backward; pp: one send per micro-batch of 1/tp of them (sequence parallel).",
+        traps={"gathers_only": "That counted the all-gathers only: sequence parallelism reduce-scatters as much."},
+        solution="tp {tp_GB:.1f} GB against pp {pp_GB:.3f} GB: {answer}. Per micro-batch, {layers} layers x 8 "
+                 "buffers of the whole sequence (4 all-gathers, 4 reduce-scatters) against one send of 1/{tp} of "
+                 "one: the group that talks most gets the fastest links."),
     Problem(
         "13.audit-last-shard",
         "Audit: a planner counts each dp rank's share of {model}'s vocabulary-parallel head as the rows a tp rank "

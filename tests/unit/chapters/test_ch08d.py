@@ -79,6 +79,22 @@ def test_against_uninterrupted_counts_the_samples_the_dead_replica_never_trained
     assert df.loc["samples trained on", "difference"] == (15 - 18) * 16
 
 
+def test_the_samples_lost_are_read_from_a_replica_that_never_died_whichever_was_killed():
+    from gpucourse.models import training
+
+    runs = survive_runs()
+    assert ch08d.short_steps(runs) == {"replicas": 2, "steps": 9, "short": 3}
+    swapped = {0: runs[1], 1: runs[0]}  # the killed replica is replica 0: its records lack the steps it missed
+    assert ch08d.short_steps(swapped) == ch08d.short_steps(runs)
+    for which in (runs, swapped):
+        df = ch08d.against_uninterrupted(which, 16)
+        assert df.loc["samples trained on", "this run"] == 15 * 16
+        lost = -df.loc["samples trained on", "difference"] / df.loc["samples trained on", "uninterrupted"]
+        assert lost == pytest.approx(training.replica_loss(2, 3, 9)["samples"])  # the problem's formula
+    with pytest.raises(ValueError, match="every replica restarted"):
+        ch08d.short_steps({1: runs[1]})
+
+
 def test_membership_plot_draws_each_attempt():
     fig = ch08d.membership_plot(survive_runs(), "cpu · gloo · 1 rank")
     assert isinstance(fig, Figure) and len(fig.axes[0].lines) == 3

@@ -900,3 +900,15 @@ def test_hsdp_all_reduces_only_a_shard_across_replicas():
 def test_sharded_dp_comm_bytes_rejects_bad_input_naming_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# --- chapter 08d: DiLoCo syncs every H steps ----------------------------------------------------------------
+def test_diloco_hands_one_parameter_set_to_the_all_reduce_every_h_steps():
+    P = 4 * 10_000  # fp32 parameters' bytes
+    assert costs.diloco_bytes(P, 300) == 300 * P  # data parallelism: a gradient every step
+    assert costs.diloco_bytes(P, 300, 20) == 15 * P  # DiLoCo, H = 20: a pseudo-gradient every 20 steps
+    assert costs.diloco_bytes(P, 300, 1) / costs.diloco_bytes(P, 300, 20) == 20  # the ratio chapter 08d asserts
+    assert costs.diloco_bytes(P, 19, 20) == 0  # no sync before the H-th step
+    for bad, match in (((-1, 10, 2), "param_bytes"), ((P, 0, 2), "steps"), ((P, 10, 2.5), "sync_every")):
+        with pytest.raises(ValueError, match=match):
+            costs.diloco_bytes(*bad)

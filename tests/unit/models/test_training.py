@@ -195,3 +195,59 @@ def test_a_hiccup_anywhere_slows_the_step_more_often_as_ranks_grow():
                                                      rel=0.02)
     with pytest.raises(ValueError):
         training.expected_step_with_stragglers(0.1, 0.5, 1.5, 2)
+
+
+# --- chapter 08b: uneven shards and hangs -------------------------------------------------------------------------
+def test_uneven_shards_count_what_each_fix_costs():
+    u = training.uneven_shards([7, 4, 5])  # chapter 08b's script's shards at 3 ranks
+    assert (u["common_steps"], u["dropped"], u["join_steps"], u["shadowed"]) == (4, 4, 7, 5)
+    assert u["idle_share"] == pytest.approx(5 / 21) and u["dropped_share"] == pytest.approx(4 / 16)
+    even = training.uneven_shards([3, 3])
+    assert even["dropped"] == even["shadowed"] == 0 and even["idle_share"] == 0
+    assert training.uneven_shards([2, 0])["common_steps"] == 0  # a rank with no data: the fix trains nothing
+    with pytest.raises(ValueError):
+        training.uneven_shards([])
+    with pytest.raises(ValueError):
+        training.uneven_shards([3, -1])
+
+
+def test_uneven_shards_match_a_simulation_of_join():
+    """Under Join every rank steps until the last is done; a rank out of batches shadows each step with zeros."""
+    shards = [7, 4, 5, 7, 1]
+    steps = max(shards)
+    shadowed = sum(1 for b in shards for s in range(steps) if s >= b)
+    u = training.uneven_shards(shards)
+    assert u["join_steps"] == steps and u["shadowed"] == shadowed
+    assert u["dropped"] == sum(b - min(shards) for b in shards)
+
+
+def test_default_timeouts_are_the_installed_torchs():
+    from torch.distributed import constants
+
+    assert training.DEFAULT_TIMEOUTS_S["gloo"] == constants.default_pg_timeout.total_seconds()
+    if constants.default_pg_nccl_timeout is not None:  # None in a torch built without NCCL (a CPU build)
+        assert training.DEFAULT_TIMEOUTS_S["nccl"] == constants.default_pg_nccl_timeout.total_seconds()
+
+
+def test_a_hang_idles_every_gpu_for_the_wait():
+    assert training.hang_gpu_hours(1024, 600) == pytest.approx(1024 / 6)
+    assert training.hang_gpu_hours(8, 0) == 0
+    with pytest.raises(ValueError):
+        training.hang_gpu_hours(0, 600)
+    with pytest.raises(ValueError):
+        training.hang_gpu_hours(8, -1)
+
+
+# --- chapter 08d: training through failures -----------------------------------------------------------------------
+def test_a_lost_replica_costs_its_share_of_the_samples_not_every_replicas_time():
+    # tests/unit/chapters/test_ch08d.py's run: 2 replicas, 9 committed steps, 3 of them with one replica missing
+    lost = training.replica_loss(2, 3, 9)
+    assert lost["samples"] == pytest.approx(3 / 18) and lost["full_restart"] == pytest.approx(3 / 9)
+    f = training.LLAMA3_FAILURES
+    llama = training.replica_loss(128, 600, f["days"] * 86400, failures=f["unexpected"])
+    assert llama["samples"] * 128 == pytest.approx(llama["full_restart"])
+    assert training.replica_loss(4, 10, 100, missing=2)["samples"] == pytest.approx(0.05)
+    with pytest.raises(ValueError):
+        training.replica_loss(2, 3, 9, missing=3)
+    with pytest.raises(ValueError):
+        training.replica_loss(2, 3, 0)

@@ -163,11 +163,47 @@ EXPECTED = {
     "08c.your-interval": lambda: (2 * 0.25 * 54 * 86400 / 419 * 16384 / 1024) ** 0.5 / 60,
     "08c.goodput": lambda: 100 * 1800 / 1820 * (1 - (1800 + 1820 / 2) / (20 * 3600)),
     "08c.audit-hiccups": lambda: 1.0 + 0.4 * (1 - 0.999 ** 16384),
+    "08c.async-gain": lambda: 100 * (async_goodput(0.5, 30.0) - async_goodput(20.0, 0.0)),
+    "08c.one-slow-rank": lambda: 100 * ((0.8 * 1.2 + 0.2) / (0.8 + 0.2) - 1),  # the slowest rank's work + the sync
+    # NCCL's default timeout (10 min) + a 5-minute restart, on 1,024 GPUs; 8 minutes saved a hang, 419 hangs
+    "08b.hang-gpu-hours": lambda: 1024 * (600 + 300) / 3600,
+    "08b.audit-timeout": lambda: 419 * 16384 * (600 - 120) / 3600,
+    # a first-stage rank: tp 7 layers x 16 micro-batches x 4, all-gathers and reduce-scatters; dp 1 + 1; pp 16 + 16
+    "08b.fr-buffer-steps": lambda: 2000 / (2 * 7 * 16 * 4 + 1 + 1 + 2 * 16),
+    "08b.rank0-save": lambda: planner.shape_params("llama3-70b")["total"] * 14 / 1e9 / 60,
+    "08b.your-uneven-join": lambda: 100 * (7 - 4) / (2 * 7),  # Join: 7 steps on 2 ranks, rank 1 shadows 3
+    "08d.your-samples-lost": lambda: 100 * 12 / (2 * 60),
+    "08d.audit-replica-loss": lambda: 100 * 419 * 600 / (54 * 86400) / 128,
+    "08d.heal-time": lambda: 30e-6 + planner.shape_params("llama3-70b")["total"] * 14 / 64 / 12.5e9,  # 100 GbE
+    "08d.diloco-bytes": lambda: planner.shape_params("llama3-8b")["total"] * 4 * (10_000 // 500) / 1e12,
+    "08d.diloco-link": lambda: 100 * diloco_sync() / (500 * 1.0 + diloco_sync()),
     # Llama 3 405B, tp 8 x pp 16 x dp 128, 16 micro-batches of one 8K sequence; the first stage holds 7 layers
     "13.pp-send": lambda: 16 * 8192 * 16384 * 2 / 8 / 1e9,  # a send a micro-batch, 1/tp of the sequence
     "13.tp-gathers": lambda: 7 * 16 * 4 * 8192 * 16384 * 2 / 1e9,  # 2 forward + 2 backward a layer and micro-batch
     "13.audit-last-shard": lambda: 128256 // 8 - 126 * 127,  # pieces of ceil(16,032 / 128) = 126
+    # the first stage's tp shard (7 layers and the embedding over tp 8): bf16 gathered, fp32 reduce-scattered
+    "13.dp-traffic": lambda: first_stage_tp_shard() * (2 + 4) / 1e9,
+    "13.tp-over-pp": lambda: 7 * 8 * 8,  # per micro-batch 7 layers x 8 whole-sequence buffers, against 1/tp of one
 }
+
+
+def first_stage_tp_shard():
+    """Llama 3 405B's first stage (7 layers and the embedding), one tp rank's eighth: its parameters."""
+    return (7 * planner.shape_params("llama3-405b")["layer_dense"] + 128256 * 16384) / 8
+
+
+def async_goodput(lost_s, lag_s, gpus=1024):
+    """Goodput at Young/Daly's interval, Llama 3's MTBF (54 days / 419 on 16,384 GPUs) scaled to `gpus`."""
+    mtbf = 54 * 86400 / 419 * 16384 / gpus
+    tau = math.sqrt(2 * lost_s * mtbf)
+    return tau / (tau + lost_s) * (1 - ((tau + lost_s) / 2 + lag_s) / mtbf)
+
+
+def diloco_sync():
+    """One sync of Llama 3 8B's fp32 pseudo-gradient, a 2-rank ring all-reduce over 100 Gb/s, 10 ms a message."""
+    return 2 * 0.01 + planner.shape_params("llama3-8b")["total"] * 4 / 12.5e9
+
+
 # Published figures the answers must agree with (the ZeRO paper's Figure 1, Llama 3's parameter count, the
 # memory calculator's preset): the course's formulas reproduce them.
 PUBLISHED_FIGURES = {"07.zero1-7b5": 31.4, "07.zero2-7b5": 16.6, "07.audit-widget-vocab": 8.03 - 6.57,
@@ -175,9 +211,11 @@ PUBLISHED_FIGURES = {"07.zero1-7b5": 31.4, "07.zero2-7b5": 16.6, "07.audit-widge
 
 
 def test_each_chapter_has_five_problems_or_more_and_three_audits_in_all():
-    for chapter in ("01", "02", "03", "04", "05", "06", "07", "07b", "08", "09", "10", "11", "12"):
-        assert len(problems.CHAPTERS[chapter]) >= 5, chapter
-    for chapter in ("02", "03", "04", "06", "07b", "08", "09", "10", "11"):  # one of each, at least
+    assert set(problems.CHAPTERS) == {"01", "02", "03", "04", "05", "06", "07", "07b", "08", "08b", "08c", "08d",
+                                      "09", "10", "11", "12", "13"}
+    for chapter, ps in problems.CHAPTERS.items():
+        assert len(ps) >= 5, chapter
+    for chapter in ("02", "03", "04", "06", "07b", "08", "08b", "08c", "08d", "09", "10", "11"):  # one of each
         assert {"your run", "audit"} <= {p.level for p in problems.CHAPTERS[chapter]}, chapter
     assert sum(p.level == "audit" for p in ALL) >= 3
     assert len({p.id for p in ALL}) == len(ALL)  # ids unique
@@ -307,6 +345,22 @@ def test_a_runs_shapes_change_the_answer_as_the_formulas_say():
     ring = problems.show("10", mine={"your-ring-overlap": {"block_tokens": 32, "head_dim": 16, "kv_heads": 2,
                                                            "compute_ms": 0.25, "hop_ms": 1.5}})
     assert {q.id: q for q in ring}["10.your-ring-overlap"].answer == pytest.approx(32 * 1.5 / 0.25)  # c x hop / compute
+
+
+def test_08b_and_08d_take_their_runs_counts_as_the_formulas_say():
+    """08b's uneven shards (ch08b.shard_batches) and 08d's committed steps (ch08d.short_steps) enter the answer."""
+    join = {p.id: p for p in problems.show("08b", mine={"your-uneven-join": {"most": 5, "fewest": 5}})}
+    assert join["08b.your-uneven-join"].answer == 0  # even shards: Join idles no step
+    join = {p.id: p for p in problems.show("08b", mine={"your-uneven-join": {"most": 9, "fewest": 3}})}
+    assert join["08b.your-uneven-join"].answer == pytest.approx(100 * 6 / 18)
+    lost = {p.id: p for p in problems.show("08d", mine={"your-samples-lost": {"replicas": 2, "steps": 9,
+                                                                              "short": 3}})}
+    p = lost["08d.your-samples-lost"]
+    assert p.answer == pytest.approx(100 * 3 / 18) and p.measured == ("replicas", "steps", "short")
+    assert "2 replica groups committed 9 steps, 3 of them" in p.question_text()
+    wrong = p.check(50)
+    assert wrong.kind == "hint" and p.hint in wrong.text
+    assert "3 batches missing of 2 x 9 = 18: 16.67 %" in p.check(50).text  # the second: the worked solution
 
 
 @pytest.mark.parametrize("mine, error, match", [

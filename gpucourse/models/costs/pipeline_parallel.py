@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .units import human_seconds, human_si
+from ..units import human_seconds, human_si
 
 # Bus-bandwidth factors from NVIDIA nccl-tests (doc/PERFORMANCE.md). busbw =
 # algbw * factor is the traffic through the busiest link of a ring, so it is

@@ -26,13 +26,13 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .argtypes import positive_int, positive_seconds
-from ..run.paths import project_root
-from ..models.units import human_bytes, human_percent, human_si
+from ..argtypes import positive_int, positive_seconds
+from ...run.paths import project_root
+from ...models.units import human_bytes, human_percent, human_si
 
 ROOT = project_root() or Path.cwd()
 SCRIPTS = ROOT / "scripts"
-DOCTOR_JOB = Path(__file__).with_name("doctor_job.py")
+DOCTOR_JOB = Path(__file__).parent.parent / "doctor_job.py"
 
 
 class GpuCheckError(ValueError):
@@ -85,7 +85,7 @@ class Outcome:
 
 
 def _launch(script, **kw):
-    from ..run.launcher import launch
+    from ...run.launcher import launch
 
     kw.setdefault("live", False)
     kw.setdefault("check", False)
@@ -126,8 +126,8 @@ def check_gloo_ranks_share_a_gpu(nproc: int = 4):
 @needs(1)
 def check_nccl_refused_beyond_gpus():
     """Asking NCCL for more ranks than GPUs is refused before anything starts, with a message that says why."""
-    from ..run.hardware import gpu_count
-    from ..run.launcher import LaunchConfigError
+    from ...run.hardware import gpu_count
+    from ...run.launcher import LaunchConfigError
 
     n = gpu_count() + 1
     try:
@@ -140,8 +140,8 @@ def check_nccl_refused_beyond_gpus():
 @needs(17)
 def check_cuda_trace():
     """A profiled DDP step on the GPU: CUDA kernels, NCCL kernels and streams read back by gpucourse.models.traces."""
-    from ..viz.timeline import timeline_plot
-    from ..models.traces import analyze_run, load_trace
+    from ...viz.timeline import timeline_plot
+    from ...models.traces import analyze_run, load_trace
 
     res = _launch(SCRIPTS / "03_ddp_train.py", nproc=1, backend="nccl", name="gpucheck-trace",
                   args=["--steps", "5", "--warmup", "2", "--profile-steps", "3"])
@@ -230,7 +230,7 @@ def _capstone(name: str, sizes: dict, steps: int, warmup: int, extra=(), timeout
     """Launch the capstone GPT (1 rank, NCCL, bf16, profiled) and read back its figures: (result, figures)."""
     import torch
 
-    from ..models import costs
+    from ...models import costs
 
     args = ["--dp-mode", "allreduce", "--d-model", sizes["d_model"], "--layers", sizes["layers"],
             "--heads", sizes["heads"], "--context", sizes["context"], "--batch", sizes["batch"], "--steps", steps,
@@ -338,7 +338,7 @@ KERNEL_KINDS = (("matmul", ("gemm", "xmma", "nvjet", "cutlass", "cublas")), ("at
 
 def _kernel_time(res) -> dict:
     """Where the GPU's time went in the profiled steps: share of kernel time by kind, and how busy the GPU was."""
-    from ..models.traces import analyze_run, load_trace
+    from ...models.traces import analyze_run, load_trace
 
     analysis = analyze_run(res)
     steps = [s for r in analysis.ranks.values() for s in r.steps]
@@ -378,7 +378,7 @@ def check_notebooks(smoke: bool = True, only: list[str] | None = None, output: P
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from multiprocessing import get_context
 
-    from .course import execute_notebook, find_notebooks
+    from ..course import execute_notebook, find_notebooks
 
     output = output or ROOT / "executed" / "gpu-check"
     todo, rows = _pick_notebooks(find_notebooks(), only), {}
@@ -442,7 +442,7 @@ GRADED = ("ex02_ddp", "ex06_tensor_parallel", "ex07_sharded_optimizer", "ex07_fs
 def job_devices(runs_dir: Path) -> list[dict]:
     """Every run under `runs_dir`: its name, status, world size, the launcher's backend and device (manifest),
     and each rank's own backend and device as runtime.setup() recorded them (metrics/rank<r>.jsonl)."""
-    from ..run.contract import EVENT_SETUP, manifest_file, metrics_files
+    from ...run.contract import EVENT_SETUP, manifest_file, metrics_files
 
     jobs = []
     for run in sorted(p for p in Path(runs_dir).iterdir() if p.is_dir()) if Path(runs_dir).is_dir() else []:
@@ -491,8 +491,8 @@ def check_graders(exercises=GRADED, target: str = "solutions", workers: int = 4)
     expected); which backend and device each grading job's ranks used, read from its runs."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from . import grading
-    from ..run.contract import RUNS_ENV
+    from .. import grading
+    from ...run.contract import RUNS_ENV
 
     runs = Path(tempfile.mkdtemp(prefix="gpucheck-grade-"))
     before = os.environ.get(RUNS_ENV)
@@ -636,7 +636,7 @@ def check_fp8(sizes=(4096, 8192), steps: int = 20, d_model: int = 1024, layers: 
 
     import torch
 
-    from ..models import costs
+    from ...models import costs
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(0)
@@ -848,7 +848,7 @@ def check_dryrun_memory(d_model: int = 1024, layers: int = 8, heads: int = 16, c
                         steps: int = 3, modes=("allreduce", "fsdp")):
     """The dry run's predicted peak (`gpucourse dryrun --fake-tensors`, world 1, on the CPU) against the capstone's
     real step on the GPU (1 rank, NCCL, bf16 autocast): torch.cuda.max_memory_allocated of its last step."""
-    from ..run.dryrun import dryrun
+    from ...run.dryrun import dryrun
 
     figures, texts, last = {}, [], None
     for mode in modes:
@@ -884,7 +884,7 @@ def check_pipeline_schedules(schedules=None, nproc: int = 2):
     ranks on the CPU, as the chapter runs it beside a GPU): which schedules run on this machine's torch. The
     2026-11-26 run stopped in a schedule's first batch_isend_irecv ('Pair is not connected') without saying which."""
     if schedules is None:
-        from .exercises import load_file
+        from ..exercises import load_file
         schedules = load_file(SCRIPTS / "05_schedules.py", "schedules_05").SCHEDULES
     figures, last = {}, None
     for name in schedules:
@@ -925,7 +925,7 @@ def environment() -> dict:
     """What ran it: device, driver, versions (nvidia-smi where it answers)."""
     import platform
 
-    from ..run.hardware import hardware_report
+    from ...run.hardware import hardware_report
 
     hw = hardware_report()
     driver = ""

@@ -11,7 +11,7 @@ records the device, the versions, what passed and every figure measured. Nothing
                                               outcome is appended to the JSONL as soon as it is known
     gpucourse gpu-check --report-from out/results.jsonl --report-dir out   the report of such a file (no GPU needed)
 
-docs/gpu-run.sh runs it on a bare GPU machine (wheels, kernel, the checks in order of priority).
+docs/gpu-run.sh runs it on a bare GPU machine: wheels, kernel, every chapter's notebook and the checks it picks.
 """
 from __future__ import annotations
 
@@ -196,6 +196,8 @@ def main(args) -> int:
                 kwargs = {"smoke": args.notebooks == "smoke", "workers": args.notebook_workers}
                 if args.notebook:
                     kwargs["only"] = args.notebook
+                if args.notebook_except:
+                    kwargs["skip"] = args.notebook_except
             outcome = run_check(name, **kwargs)
         print(f"  {outcome.status} in {outcome.seconds:.0f} s: {outcome.summary}", flush=True)
         emit({"outcome": asdict(outcome)})
@@ -222,6 +224,8 @@ def add_cli(sub) -> None:
                    help="sizes for the notebooks check (default: smoke)")
     p.add_argument("--notebook", nargs="+", metavar="PREFIX",
                    help="only the notebooks whose name starts so, run in this order")
+    p.add_argument("--notebook-except", nargs="+", metavar="PREFIX",
+                   help="every notebook but those whose name starts so")
     p.add_argument("--notebook-workers", type=positive_int, default=1,
                    help="notebooks executed at once (default 1)")
     p.add_argument("--budget", type=positive_seconds, metavar="S",

@@ -9,14 +9,13 @@ from .harness import ROOT, emit, needs, seconds_left
 NOTEBOOK_MIN_S = 45  # a notebook is not started with less than this left
 
 
-def _pick_notebooks(books: list[Path], only: list[str] | None) -> list[Path]:
-    """The notebooks to run, in the order of `only`'s prefixes (all of them, in order, without)."""
-    if not only:
-        return list(books)
+def _pick_notebooks(books: list[Path], only: list[str] | None, skip: list[str] | None = None) -> list[Path]:
+    """The notebooks to run, in the order of `only`'s prefixes (all of them, in order, without), less those whose
+    names start with one of `skip`'s: a chapter added later is run without anyone naming it."""
     picked: list[Path] = []
-    for prefix in only:
+    for prefix in only or [""]:
         picked += [b for b in books if b.stem.startswith(prefix) and b not in picked]
-    return picked
+    return [b for b in picked if not b.stem.startswith(tuple(skip or ()))]
 
 
 def _notebook_row(run) -> dict:
@@ -26,16 +25,17 @@ def _notebook_row(run) -> dict:
 
 @needs(60)
 def check_notebooks(smoke: bool = True, only: list[str] | None = None, output: Path | None = None,
-                    workers: int = 1):
+                    workers: int = 1, skip: list[str] | None = None):
     """Chapter notebooks executed with papermill on this machine (the launcher picks NCCL or gloo); `only` runs
-    the notebooks whose names start so, in that order; `workers` > 1 runs that many at once (kernels apart)."""
+    the notebooks whose names start so, in that order, `skip` all but those; `workers` > 1 runs that many at once
+    (kernels apart)."""
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from multiprocessing import get_context
 
     from ..course import execute_notebook, find_notebooks
 
     output = output or ROOT / "executed" / "gpu-check"
-    todo, rows = _pick_notebooks(find_notebooks(), only), {}
+    todo, rows = _pick_notebooks(find_notebooks(), only, skip), {}
 
     def done(path, row):
         rows[path.stem] = row

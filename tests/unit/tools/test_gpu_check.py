@@ -135,13 +135,14 @@ def test_job_devices_reads_the_manifest_and_each_ranks_setup_record(tmp_path):
                      "rank_devices": ["cuda:0"], "rank_backends": ["gloo"]}]
 
 
-def test_notebooks_run_in_the_order_of_the_prefixes_given(tmp_path):
+def test_notebooks_run_in_the_order_of_the_prefixes_given_less_those_left_out(tmp_path):
     from pathlib import Path
 
     books = [Path(f"{n}.ipynb") for n in ("00_a", "02_b", "05_c", "10_d")]
     picked = gpu_check.notebooks._pick_notebooks(books, ["10", "02", "0"])
     assert [p.stem for p in picked] == ["10_d", "02_b", "00_a", "05_c"]
     assert gpu_check.notebooks._pick_notebooks(books, None) == books
+    assert [p.stem for p in gpu_check.notebooks._pick_notebooks(books, None, ["05", "1"])] == ["00_a", "02_b"]
 
 
 def test_compile_seconds_and_the_fp8_model_read_backwards():

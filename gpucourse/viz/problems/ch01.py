@@ -1,4 +1,4 @@
-"""Chapter 01's problems: bus bandwidth, bytes on the wire, the alpha-beta model (costs, sections 1-4)."""
+"""Chapter 01's problems: bus bandwidth, bytes on the wire, the alpha-beta model (costs.comms)."""
 from __future__ import annotations
 
 from ...models import costs

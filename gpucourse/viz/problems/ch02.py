@@ -1,5 +1,5 @@
 """Chapter 02's problems: what DistributedSampler gives each rank and the steps an epoch takes (training), the bytes
-gradient accumulation and compression hooks save (costs, sections 1-3), and an audit of DDP's default buckets."""
+gradient accumulation and compression hooks save (costs.comms), and an audit of DDP's default buckets."""
 from __future__ import annotations
 
 from ...models import costs, training

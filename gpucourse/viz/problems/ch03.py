@@ -1,5 +1,5 @@
 """Chapter 03's problems: scaling efficiency, the DDP step with its buckets hidden behind backward, the world size
-where a ring turns communication-bound (costs, section 5), the overlap cost of your own run (ddpsteps), and an audit
+where a ring turns communication-bound (costs.data_parallel), the overlap cost of your own run (ddpsteps), and an audit
 of Megatron-LM's 76 % scaling efficiency."""
 from __future__ import annotations
 

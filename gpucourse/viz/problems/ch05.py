@@ -1,4 +1,4 @@
-"""Chapter 05's problems: the pipeline bubble and the activations a stage holds (costs, section 6)."""
+"""Chapter 05's problems: the pipeline bubble and the activations a stage holds (costs.pipeline_parallel)."""
 from __future__ import annotations
 
 from ...models import costs

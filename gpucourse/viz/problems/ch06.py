@@ -1,5 +1,5 @@
 """Chapter 06's problems: the bytes each tensor-parallel rank sends per all-reduce and per block, what the four
-all-reduces of a layer cost against its compute over NVLink and InfiniBand (costs, section 6), the weights a GPU
+all-reduces of a layer cost against its compute over NVLink and InfiniBand (costs.comms), the weights a GPU
 keeps, your run's count, and an audit of a DGX H100's two links."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chapter 07's problems: model states under ZeRO and FSDP (costs section 7, memory.model_states), and an audit of
+"""Chapter 07's problems: model states under ZeRO and FSDP (costs.zero, memory.model_states), and an audit of
 a public memory calculator against the course's parameter count (planner.shape_params)."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Chapter 10's problems: the bytes each context-parallel rank sends per attention layer, ring against Ulysses, and
-Llama 3's all-gather with grouped-query attention (costs, section 12), the block size from which a ring hop hides
+Llama 3's all-gather with grouped-query attention (costs.context_parallel), the block size from which a ring hop hides
 behind compute (costs.ring_overlap_block_tokens) on an H100 and in your run, and an audit of DeepSpeed-Ulysses'
 constant communication."""
 from __future__ import annotations

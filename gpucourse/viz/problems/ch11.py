@@ -1,5 +1,5 @@
 """Chapter 11's problems: expert capacity (costs.moe_capacity), the bytes and time of expert parallelism's
-all-to-alls (costs section 13), hiding them by chunks (costs.moe_overlap_time), your run's bytes with the drops it
+all-to-alls (costs.expert_parallel), hiding them by chunks (costs.moe_overlap_time), your run's bytes with the drops it
 counted, and an audit of Mixtral 8x7B's 47 B total and 13 B active parameters (planner.shape_params)."""
 from __future__ import annotations
 

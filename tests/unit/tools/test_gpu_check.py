@@ -36,10 +36,19 @@ def test_nccl_beyond_the_gpus_is_refused_before_anything_starts():
 
 
 def test_every_check_is_registered_once_with_the_seconds_it_needs():
-    """One registry: CHECKS, each check marked @needs(seconds) where it is defined (the budget reads it)."""
+    """One registry: CHECKS, each check marked @needs(seconds) where it is defined (the budget reads it); every
+    check_ function of the package's modules is in it, and --list, the report and docs/gpu-run.sh read it."""
+    import importlib
+    import pkgutil
+
     needs = {name: getattr(fn, "needs_s", None) for name, fn in gpu_check.CHECKS.items()}
     assert all(isinstance(s, (int, float)) and s > 0 for s in needs.values()), needs
-    assert sorted(n for n in dir(gpu_check) if n.startswith("check_")) == sorted(f"check_{n}" for n in gpu_check.CHECKS)
+    defined = {f"{m.name}.{n}" for m in pkgutil.iter_modules(gpu_check.__path__)
+               for n, fn in vars(importlib.import_module(f"{gpu_check.__name__}.{m.name}")).items()
+               if n.startswith("check_") and getattr(fn, "__module__", None) == f"{gpu_check.__name__}.{m.name}"}
+    registered = {f"{fn.__module__.rpartition('.')[2]}.{fn.__name__}" for fn in gpu_check.CHECKS.values()}
+    assert defined == registered and len(registered) == len(gpu_check.CHECKS)
+    assert all(fn.__name__ == f"check_{name}" for name, fn in gpu_check.CHECKS.items())
 
 
 def test_an_exception_inside_a_check_is_its_failure_not_a_crash(monkeypatch):
@@ -105,11 +114,11 @@ def test_a_crash_in_a_thread_without_python_frames_is_named_from_another_thread(
 
 def test_grading_runs_are_attributed_to_their_exercise():
     ex = gpu_check.GRADED
-    assert gpu_check._job_exercise("grade-ex02-20261126-010203", ex) == "ex02_ddp"
-    assert gpu_check._job_exercise("grade-ex06-w4-20261126-010203", ex) == "ex06_tensor_parallel"
-    assert gpu_check._job_exercise("grade-ex07-fsdp-w1-20261126", ex) == "ex07_fsdp"
-    assert gpu_check._job_exercise("grade-ex07-sharded-w2-20261126", ex) == "ex07_sharded_optimizer"
-    assert gpu_check._job_exercise("grade-ex09-1x2", ex) is None
+    assert gpu_check.graders._job_exercise("grade-ex02-20261126-010203", ex) == "ex02_ddp"
+    assert gpu_check.graders._job_exercise("grade-ex06-w4-20261126-010203", ex) == "ex06_tensor_parallel"
+    assert gpu_check.graders._job_exercise("grade-ex07-fsdp-w1-20261126", ex) == "ex07_fsdp"
+    assert gpu_check.graders._job_exercise("grade-ex07-sharded-w2-20261126", ex) == "ex07_sharded_optimizer"
+    assert gpu_check.graders._job_exercise("grade-ex09-1x2", ex) is None
 
 
 def test_job_devices_reads_the_manifest_and_each_ranks_setup_record(tmp_path):
@@ -126,12 +135,14 @@ def test_job_devices_reads_the_manifest_and_each_ranks_setup_record(tmp_path):
                      "rank_devices": ["cuda:0"], "rank_backends": ["gloo"]}]
 
 
-def test_notebooks_run_in_the_order_of_the_prefixes_given(tmp_path):
+def test_notebooks_run_in_the_order_of_the_prefixes_given_less_those_left_out(tmp_path):
     from pathlib import Path
 
     books = [Path(f"{n}.ipynb") for n in ("00_a", "02_b", "05_c", "10_d")]
-    assert [p.stem for p in gpu_check._pick_notebooks(books, ["10", "02", "0"])] == ["10_d", "02_b", "00_a", "05_c"]
-    assert gpu_check._pick_notebooks(books, None) == books
+    picked = gpu_check.notebooks._pick_notebooks(books, ["10", "02", "0"])
+    assert [p.stem for p in picked] == ["10_d", "02_b", "00_a", "05_c"]
+    assert gpu_check.notebooks._pick_notebooks(books, None) == books
+    assert [p.stem for p in gpu_check.notebooks._pick_notebooks(books, None, ["05", "1"])] == ["00_a", "02_b"]
 
 
 def test_compile_seconds_and_the_fp8_model_read_backwards():
@@ -147,7 +158,7 @@ def test_fp8_linear_backward_is_the_plain_linears(monkeypatch):
     from torch import nn
 
     # the FP8 product itself needs a GPU; its autograd wiring (shapes, dtypes, bias) does not
-    monkeypatch.setattr(gpu_check, "fp8_matmul", lambda a, w: (a.float() @ w.float().t()).to(torch.bfloat16))
+    monkeypatch.setattr(gpu_check.fp8, "fp8_matmul", lambda a, w: (a.float() @ w.float().t()).to(torch.bfloat16))
     torch.manual_seed(0)
     plain, fp8 = nn.Linear(16, 32), nn.Linear(16, 32)
     fp8.load_state_dict(plain.state_dict())
@@ -162,7 +173,7 @@ def test_fp8_linear_backward_is_the_plain_linears(monkeypatch):
 
 def test_to_fp8_scales_the_largest_value_to_the_format_maximum():
     t = torch.tensor([[0.5, -2.0], [1.0, 0.25]])
-    q, inv = gpu_check._to_fp8(t)
+    q, inv = gpu_check.fp8._to_fp8(t)
     assert q.dtype == torch.float8_e4m3fn and q.float().abs().max().item() == gpu_check.E4M3_MAX
     assert torch.allclose(q.float() * inv, t, rtol=0.07)
 
@@ -199,7 +210,7 @@ def test_pipeline_schedules_launches_every_schedule_chapter_05_knows_and_names_t
         return SimpleNamespace(status="ok" if ok else "failed", ok=ok, summary=lambda: "failed: rank 0 exited 1",
                                error=SimpleNamespace(summary="Pair is not connected"))
 
-    monkeypatch.setattr(gpu_check, "_launch", fake_launch)
+    monkeypatch.setattr(gpu_check.chapter_scripts, "launch", fake_launch)
     passed, text, figures, _ = gpu_check.check_pipeline_schedules()
     chapter = load_file(gpu_check.SCRIPTS / "05_schedules.py", "schedules_05")
     assert launched == chapter.SCHEDULES and len(launched) >= 6

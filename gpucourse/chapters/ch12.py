@@ -192,8 +192,8 @@ def modelled_flops(job: dict, index: int) -> tuple[float, float]:
 
 def agreement(dry: dict, job: dict) -> dict:
     """{rank: {quantity: counted / modelled}} for what a dry run of llama_job's script and the planner both give:
-    the model states between steps (the worst of the three), the bytes of the dp and of the pp group, the FLOPs
-    (against 6 N + 14 L d T, what FlopCounterMode counts) and the activations at the peak."""
+    the model states between steps (the worst of the three), the bytes of the tp, the dp and the pp group, the
+    FLOPs (against 6 N + 14 L d T, what FlopCounterMode counts) and the activations at the peak."""
     out = {}
     for index, rank in enumerate(dry["ranks"]):
         stage, states = job["plan"]["stages"][index], job["states"]["stages"][index]["states"]
@@ -201,11 +201,11 @@ def agreement(dry: dict, job: dict) -> dict:
         planned = {}
         for c in stage["collectives"]:
             planned[c["group"]] = planned.get(c["group"], 0) + c["bytes"]
-        moved = {g: sum(r["bytes"] for (grp, _), r in counted.items() if grp == g) for g in ("dp", "pp")}
+        moved = {g: sum(r["bytes"] for (grp, _), r in counted.items() if grp == g) for g in ("tp", "dp", "pp")}
         worst = max((rank["model_states"][k] / states[k] for k in ("params", "grads", "optimizer")),
                     key=lambda r: abs(r - 1))
         out[rank["rank"]] = {"model states": worst,
-                             **{f"{g} bytes": _ratio(moved[g], planned.get(g, 0)) for g in ("dp", "pp")},
+                             **{f"{g} bytes": _ratio(moved[g], planned.get(g, 0)) for g in ("tp", "dp", "pp")},
                              "FLOPs": rank["flops"] / modelled_flops(job, index)[1],
                              "activations": rank["memory"]["activations"] / stage["memory"]["activations"]}
     return out

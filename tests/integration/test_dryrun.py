@@ -273,7 +273,8 @@ def test_the_planner_equals_the_dry_runs_counts(case):
 # The pipeline capstone (scripts/13_gpt_3d.py --arch llama: pipeline x FSDP2 x TP with sequence parallelism) against
 # the planner, as chapter 12 puts it (ch12.llama_job: the script's arguments and the planner's plans of the same job,
 # bf16, 1F1B, Llama 3's split): a small Llama shape (GQA, SwiGLU, RMSNorm, an untied vocabulary-parallel head) on pp 2
-# x dp 2 x tp 2 and tp 4, its first rank (the first stage) and its last (the last stage), fake tensors, ~6 CPU-s each.
+# x dp 2 x tp 2 and tp 4, its first rank (the first stage) and its last (the last stage), fake tensors: 12-19 CPU-s
+# each on this 2-core machine (10-15 s wall when it is quiet).
 # At tp 2 the gathered inputs DTensor keeps are 8 % of a block's activations, inside the 10 % the test allows; at tp
 # 4 they are 25 %: the second layout is the one that tells torch's sequence parallelism from Megatron-LM's.
 LLAMA_SMALL = {"layers": 4, "d_model": 256, "ffn": 704, "heads": 8, "kv_heads": 4, "vocab": 1024, "mlp_matrices": 3}

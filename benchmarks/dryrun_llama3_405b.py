@@ -21,8 +21,11 @@ How the script's plan is put to the planner: FSDP2 with reshard_after_forward=Fa
 3 describes) keeps parameters, gradients and Adam's states sharded between steps (planned at zero=3: "states") but
 gathers the parameters once a step and keeps whole gradients until the last micro-batch (planned at zero=1: the
 peak's parts and the collectives); recipe "bf16" (2 + 2 + 4 bytes a parameter, bf16 activations); no
-recomputation; vocabulary-parallel embedding and head; sequence parallelism. Where they differ, the line says why
-(see also the docstring of scripts/13_gpt_3d.py).
+recomputation; vocabulary-parallel embedding and head; sequence parallelism; and what torch's implementation keeps
+where Megatron-LM's (the planner's default) differs, named: sp_saves="gathered" (DTensor's sequence parallelism
+keeps the gathered input of wq/wk/wv and w1/w3), norm_kernel="composite" (the CPU's RMSNorm keeps fp32 copies; a
+GPU's fused kernel would not), loss_parallel=False (the logits gathered whole). Where they differ, the line says
+why (see also the docstring of scripts/13_gpt_3d.py).
 """
 import argparse
 import json
@@ -45,28 +48,24 @@ JOB = ch12.llama_job("llama3-405b", **ch12.LLAMA3_405B)  # the script's argument
 TP, PP, DP, MICRO = (ch12.LLAMA3_405B[k] for k in ("tp", "pp", "dp", "micro"))
 SEQ, WORLD = ch12.LLAMA3_405B["seq"], JOB["world"]
 GOAL_S, GOAL_RSS = 120, 4e9
-# Why a part or a group's figure differs from the planner's (what the dry run's torch does that the model,
-# Megatron-LM's implementation, does not); checked on this plan, see the report
+# Why a part or a group's figure differs from the planner's (what the dry run's torch does that the plan leaves out);
+# checked on this plan (2026-11-29), see the report
 WHY = {
     "grads": "the row-parallel embedding's weight gradient comes out of DTensor's backward (2.13) Replicate: all "
              "128,256 rows, 4.2 GB, on every tp rank, until FSDP keeps its shard: +3.68 GB at the first stage's "
              "peak, which falls in its backward; the planner counts the rank's rows",
-    "activations": "a block keeps 160,320 B a token here against the planner's 78,336 (Megatron-LM's): DTensor's "
-                   "sequence parallelism keeps the whole gathered input of wq/wk/wv and of w1/w3 (2 x 2d = 65,536 "
-                   "against the norms' sharded outputs, 8,192; Megatron keeps those and gathers again in backward): "
-                   "+57,344; nn.RMSNorm's CPU path keeps its input and product in fp32 (32,768 against the norms' "
-                   "bf16 inputs, 8,192; CUDA's fused kernel keeps bf16 input and rstd): +24,576; attention's "
-                   "logsumexp: +64. The last stage keeps whole bf16 logits and their log-softmax (no loss "
-                   "parallelism) where the planner counts 1/tp of fp32 logits",
+    "activations": "a block keeps 160,320 B a token here, the planner 160,256 with torch's implementation named "
+                   "(Megatron-LM's would be 78,336; the 64 left: attention's logsumexp). The first stage's peak "
+                   "falls at the end of its first micro-batch's backward (when the embedding's whole gradient "
+                   "appears, see grads), whose activations are freed by then: 15 of the 16 micro-batches the "
+                   "planner counts in flight (0.9375). The last stage also holds torch's pipeline receive buffers, "
+                   "one a micro-batch (16 x 33.6 MB), which the planner leaves out",
     "states": "FSDP2 cuts every parameter's first dimension in pieces of ceil(rows / dp): the last dp rank holds "
               "what remains of the vocabulary-parallel head, 30 of its 16,032 rows a tp rank against 126 on the "
               "others; the planner counts an even share",
     "other": "backward's temporaries (and the rotary tables, 4 MB), which the planner does not count",
-    "tp": "the planner leaves out the embedding's reduce-scatter (forward) and all-gather (backward), the head's "
-          "gathered input and logits and its input's reduce-scattered gradient, and the norms' weight gradients' "
-          "all-reduces",
-    "dp": "FSDP2 gathers and reduce-scatters one unit a block plus the stage's root, the planner one buffer; the "
-          "last stage also all-reduces its logged loss",
+    "dp": "FSDP2 gathers and reduce-scatters one unit a block plus the stage's root, the planner's ZeRO-1 one "
+          "buffer (the same bytes); the last stage also all-reduces its logged loss",
 }
 
 

@@ -77,7 +77,8 @@ def step_terms(plan: dict) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("term (modelled)")
 
 
-def llama_job(model, *, tp: int, pp: int, dp: int, seq: int, global_batch: int, micro: int) -> dict:
+def llama_job(model, *, tp: int, pp: int, dp: int, seq: int, global_batch: int, micro: int,
+              norm_kernel: str = "composite") -> dict:
     """scripts/13_gpt_3d.py --arch llama as `model` (a planner.SHAPES name or a shape dict) on tp x pp x dp ranks,
     and the same job put to the planner: {"world", "args" (the script's, for gpucourse.dryrun), "plan", "states"}.
 
@@ -85,8 +86,14 @@ def llama_job(model, *, tp: int, pp: int, dp: int, seq: int, global_batch: int, 
     3 describes) keeps parameters, gradients and Adam's states sharded between steps ("states": planned at zero=3)
     but gathers the parameters once a step and keeps whole gradients until the last micro-batch ("plan": zero=1,
     for the peak's parts and the collectives); recipe bf16 (2 + 2 + 4 bytes a parameter, bf16 activations), no
-    recomputation, a vocabulary-parallel embedding and head, sequence parallelism, Llama 3's uneven split."""
+    recomputation, a vocabulary-parallel embedding and head, sequence parallelism, Llama 3's uneven split. The
+    planner's options name what torch's implementation keeps where Megatron-LM's (the planner's default) differs:
+    sp_saves "gathered" (DTensor's sequence parallelism keeps the gathered input of wq/wk/wv and w1/w3), loss_parallel
+    False (the head's logits gathered whole, the plain cross-entropy) and, for a dry run on the CPU, norm_kernel
+    "composite" (torch's CPU RMSNorm keeps fp32 copies; a GPU's fused kernel, norm_kernel="fused", does not). The
+    shape's norms are the script's RMSNorms."""
     shape = planner.SHAPES[model] if isinstance(model, str) else model
+    shape = {"norm": "rmsnorm", **shape}
     split = planner.llama3_stage_layers(shape["layers"], pp)
     args = ["--arch", "llama", "--pp", pp, "--dp", dp, "--tp", tp, "--layers", shape["layers"], "--split", "llama3",
             "--d-model", shape["d_model"], "--heads", shape["heads"], "--kv-heads", shape["kv_heads"],
@@ -94,7 +101,8 @@ def llama_job(model, *, tp: int, pp: int, dp: int, seq: int, global_batch: int, 
             "--micro", micro, "--schedule", "1f1b", "--dtype", "bfloat16", "--no-check", "--steps", 2]
     plan = dict(gpus=tp * pp * dp, dp=dp, tp=tp, pp=pp, seq=seq, global_batch=global_batch,
                 micro_batch=global_batch // dp // micro, schedule="1f1b", recompute="none", recipe="bf16",
-                vocab_parallel=True, sequence_parallel=True, stage_layers=split)
+                vocab_parallel=True, sequence_parallel=True, stage_layers=split, sp_saves="gathered",
+                norm_kernel=norm_kernel, loss_parallel=False)
     return {"world": tp * pp * dp, "args": [str(a) for a in args], "shape": shape,
             "layout": {"tp": tp, "pp": pp, "dp": dp}, "plan": planner.plan_parallelism(shape, zero=1, **plan),
             "states": planner.plan_parallelism(shape, zero=3, **plan), "seq": seq, "tokens": global_batch // dp * seq}
@@ -184,8 +192,8 @@ def modelled_flops(job: dict, index: int) -> tuple[float, float]:
 
 def agreement(dry: dict, job: dict) -> dict:
     """{rank: {quantity: counted / modelled}} for what a dry run of llama_job's script and the planner both give:
-    the model states between steps (the worst of the three), the bytes of the dp and of the pp group, the FLOPs
-    (against 6 N + 14 L d T, what FlopCounterMode counts) and the activations at the peak."""
+    the model states between steps (the worst of the three), the bytes of the tp, the dp and the pp group, the
+    FLOPs (against 6 N + 14 L d T, what FlopCounterMode counts) and the activations at the peak."""
     out = {}
     for index, rank in enumerate(dry["ranks"]):
         stage, states = job["plan"]["stages"][index], job["states"]["stages"][index]["states"]
@@ -193,11 +201,11 @@ def agreement(dry: dict, job: dict) -> dict:
         planned = {}
         for c in stage["collectives"]:
             planned[c["group"]] = planned.get(c["group"], 0) + c["bytes"]
-        moved = {g: sum(r["bytes"] for (grp, _), r in counted.items() if grp == g) for g in ("dp", "pp")}
+        moved = {g: sum(r["bytes"] for (grp, _), r in counted.items() if grp == g) for g in ("tp", "dp", "pp")}
         worst = max((rank["model_states"][k] / states[k] for k in ("params", "grads", "optimizer")),
                     key=lambda r: abs(r - 1))
         out[rank["rank"]] = {"model states": worst,
-                             **{f"{g} bytes": _ratio(moved[g], planned.get(g, 0)) for g in ("dp", "pp")},
+                             **{f"{g} bytes": _ratio(moved[g], planned.get(g, 0)) for g in ("tp", "dp", "pp")},
                              "FLOPs": rank["flops"] / modelled_flops(job, index)[1],
                              "activations": rank["memory"]["activations"] / stage["memory"]["activations"]}
     return out

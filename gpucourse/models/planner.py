@@ -21,7 +21,10 @@ the last):
     distributed optimizer: 6 + 12/d bytes a parameter;
   activations: per layer and token, what the backward needs (`activation_bytes_per_token`, Korthikanti et al.
     2022's count generalised to grouped-query attention and 2- or 3-matrix MLPs), for the micro-batches the
-    schedule keeps in flight on that stage (costs.pipeline_peak_activations), plus the last stage's fp32 logits;
+    schedule keeps in flight on that stage (costs.pipeline_peak_activations), plus the last stage's final norm,
+    head input and logits (Megatron-LM's implementation by default; options name torch's where it keeps more:
+    SP_SAVES, NORM_KERNELS, loss_parallel). Not counted: torch's pipeline schedule's receive buffers (one per
+    micro-batch) and the stage output it keeps, attention's logsumexp and the norms' per-token statistics;
   headroom (`reserved_bytes`): the CUDA context, NCCL's buffers per process group and the caching allocator's
     fragmentation, against the device's memory in GiB ("80 GB" HBM is 80 GiB).
 Step time, per micro-batch on the slowest stage, then the pipeline: matrix products at the device's sustained
@@ -67,6 +70,19 @@ SHAPES = {
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "dualpipev")
 ATTENTION = ("flash", "unfused")
+# What sequence parallelism keeps for the backward of a column-parallel layer (q/k/v, the MLP's input matrices, the
+# head), whose input it all-gathers over tp in the forward: "sharded", Megatron-LM's (Korthikanti et al. 2022,
+# section 4.2.2: the norm's sequence-sharded output is kept and all-gathered again in the backward, overlapped with
+# the input-gradient matmul), or "gathered", torch's DTensor (2.13: PrepareModuleInput to Replicate before
+# ColwiseParallel layers, as torchtitan and scripts/13_gpt_3d.py apply it: the linear layers keep the gathered,
+# whole-sequence input, and the backward gathers nothing again).
+SP_SAVES = ("sharded", "gathered")
+# What a norm keeps for its backward: "fused", a GPU's fused kernel (the input, in the activations' dtype, and a
+# per-token statistic, which Korthikanti's count and this one leave out: 4 bytes a token); "composite", torch's
+# composite RMSNorm (torch.rms_norm where no fused kernel exists: the CPU in 2.13, so what a CPU dry run counts),
+# which computes in fp32 and keeps the fp32 input and the fp32 normalised product (x * rstd, for the weight's
+# gradient): 8 bytes an element whatever the activations' dtype. A CPU artefact, not a GPU recipe.
+NORM_KERNELS = ("fused", "composite")
 BYTES = {"param": 2, "grad": 4, "optimizer": 12}  # bf16 weights, fp32 gradients; fp32 master, Adam's m and v
 
 GiB = 2 ** 30
@@ -167,8 +183,10 @@ def shape_params(model) -> dict:
 
 
 def activation_bytes_per_token(model, *, tp=1, sequence_parallel=True, recompute="selective", attention="flash",
-                               seq=None, dropout=False) -> float:
-    """Bytes one layer keeps for the backward, per token of a micro-batch on one tensor-parallel rank (bf16).
+                               seq=None, dropout=False, sp_saves="sharded", norm_kernel="fused",
+                               element_bytes=2) -> float:
+    """Bytes one layer keeps for the backward, per token of a micro-batch on one tensor-parallel rank (bf16
+    activations, element_bytes 2, unless told).
 
     Korthikanti et al. 2022 (arXiv 2205.05198), section 4, for a GPT layer: s b h (34 + 5 a s / h) bytes, 10 of the
     34 replicated on every tp rank without sequence parallelism. Term by term, so that grouped-query attention and
@@ -176,22 +194,55 @@ def activation_bytes_per_token(model, *, tp=1, sequence_parallel=True, recompute
     q and the attention output (2 x 2h), k and v (2 x 2 kv_width), the MLP's inner tensors (2 ffn each: two for a
     GELU MLP, four for SwiGLU's gate, up, activation and product), dropout masks (h bytes each, two, when the model
     uses dropout), and unfused attention's scores (5 a s bytes: softmax output, dropout mask and output). Flash
-    attention keeps no scores (it recomputes them in its backward). Selective recomputation drops the scores; full
-    recomputation keeps only the layer's input (2h)."""
+    attention keeps no scores (it recomputes them in its backward; its per-head logsumexp, 4 bytes a head, is left
+    out). Selective recomputation drops the scores; full recomputation keeps only the layer's input (2h).
+
+    sp_saves (SP_SAVES; with sequence parallelism only): "sharded" counts the norms' outputs at 1/tp (Megatron-LM);
+    "gathered" counts, in their place, the whole gathered input of the attention's and the MLP's column-parallel
+    layers (2 x 2h on every tp rank: torch's DTensor). norm_kernel (NORM_KERNELS): "fused" counts each norm's
+    input in the activations' dtype; "composite" its fp32 input and fp32 product (8 bytes an element).
+    element_bytes: bytes of an activation's element (4 for fp32 activations: every term scales with it, but a
+    composite norm's fp32 copies)."""
     s = shape_of(model)
     if recompute not in RECOMPUTE or attention not in ATTENTION:
         raise ValueError(f"recompute must be one of {RECOMPUTE} and attention one of {ATTENTION}")
-    d, f = s["d_model"], s["ffn"]
+    if sp_saves not in SP_SAVES or norm_kernel not in NORM_KERNELS:
+        raise ValueError(f"sp_saves must be one of {SP_SAVES} and norm_kernel one of {NORM_KERNELS}")
+    d, f, e = s["d_model"], s["ffn"], element_bytes
     kv_width = s["kv_heads"] * (d // s["heads"])
-    replicated = 4 * 2 * d + (2 * d if dropout else 0)          # norms (and the two dropout masks)
-    split = 2 * 2 * d + 2 * 2 * kv_width + (2 if s["mlp_matrices"] == 2 else 4) * 2 * f
+    if recompute == "full":
+        return e * d / (tp if sequence_parallel else 1)
+    norm_inputs = 2 * (8 * d if norm_kernel == "composite" else e * d)
+    column_inputs = 2 * e * d  # the norms' outputs: what the attention's and the MLP's first matrices multiply
+    replicated = norm_inputs + column_inputs + (2 * d * e / 2 if dropout else 0)  # (and the two dropout masks)
+    split = 2 * e * d + 2 * e * kv_width + (2 if s["mlp_matrices"] == 2 else 4) * e * f
     if attention == "unfused" and recompute == "none":
         if seq is None:
             raise ValueError("unfused attention keeps a x s scores per token: give seq")
-        split += 5 * s["heads"] * seq
-    if recompute == "full":
-        return 2 * d / (tp if sequence_parallel else 1)
-    return (replicated + split) / tp if sequence_parallel else replicated + split / tp
+        split += 5 * s["heads"] * seq * e / 2
+    if not sequence_parallel:
+        return replicated + split / tp
+    if sp_saves == "gathered":  # the gathered inputs, whole, in place of the norms' sharded outputs
+        return (replicated - column_inputs + split) / tp + column_inputs
+    return (replicated + split) / tp
+
+
+def _head_activation_bytes(s, *, tp, sequence_parallel, sp_saves, norm_kernel, element_bytes, vocab_parallel,
+                           loss_parallel) -> float:
+    """Bytes the last stage keeps beyond its layers, per token of a micro-batch on one tp rank: the final norm's
+    input (as a layer's norm keeps it), the head's input (the norm's output: sharded under "sharded" sequence
+    parallelism, whole under "gathered" or without sequence parallelism), and for the loss either the fp32
+    softmax of the rank's 1/tp of the logits (Megatron-LM's vocabulary-parallel cross-entropy: loss_parallel with a
+    vocabulary-parallel head) or the whole logits and their log-softmax in the activations' dtype (the logits
+    gathered whole, or a whole head: torch's pipeline schedule keeps the last stage's output until its backward,
+    and cross-entropy keeps its log-softmax)."""
+    d, vocab, e = s["d_model"], s["vocab"], element_bytes
+    cut = tp if sequence_parallel else 1
+    norm = (8 * d if norm_kernel == "composite" else e * d) / cut  # outside the layers: never recomputed
+    head_input = e * d / (tp if sequence_parallel and sp_saves == "sharded" else 1)
+    if vocab_parallel and loss_parallel:
+        return norm + head_input + 4 * vocab / tp
+    return norm + head_input + 2 * e * vocab
 
 
 def _link(system, spans_nodes):
@@ -268,7 +319,8 @@ def _check(s, gpus, dp, tp, pp, cp, ep, seq, micro_batch, zero, recompute, syste
 
 
 def collectives(s, stage, p, *, index, pp, dp, tp, m, chunks, zero, recompute, sequence_parallel, act_bytes,
-                state_bytes, layer_held) -> list[dict]:
+                state_bytes, layer_held, head=None, tokens=0, vocab_parallel=True, loss_parallel=True,
+                sp_saves="sharded") -> list[dict]:
     """What one rank of a pipeline stage issues in one step, per process group: [{"group", "op", "calls",
     "bytes"}], bytes in nccl-tests' convention (the full buffer of an all-gather or reduce-scatter, the buffer of
     an all-reduce, the message of a send). A dry run counts the same (gpucourse.dryrun; the test holds them equal).
@@ -276,25 +328,66 @@ def collectives(s, stage, p, *, index, pp, dp, tp, m, chunks, zero, recompute, s
     tp, per layer and micro-batch: without sequence parallelism 2 all-reduces forward (after the row-parallel
     layers) and one backward per column-parallel input (1 + 1 when q, k, v and the MLP's input matrices are fused,
     as in Megatron-LM; 3 + 1 for separate q, k, v and a GELU MLP: shape "fused": False); with it, 2 all-gathers
-    and 2 reduce-scatters each way. Full recomputation repeats the forward's. The vocabulary-parallel loss's
-    small all-reduces are left out.
+    and 2 reduce-scatters each way, and under sp_saves "sharded" (Megatron-LM) 2 all-gathers more in the backward
+    (the kept sharded inputs gathered again). Full recomputation repeats the forward's. Per micro-batch, a
+    vocabulary-parallel embedding's partial output is reduce-scattered into sequence slices (all-reduced without
+    sequence parallelism) and its gradient all-gathered back; the head's input is all-gathered (again in the
+    backward under "sharded") and its gradient reduce-scattered (all-reduced without sequence parallelism); the
+    loss either all-reduces three fp32 numbers a token (Megatron-LM's vocabulary-parallel cross-entropy: max,
+    target logit, sum of exponentials) or all-gathers the whole logits (loss_parallel False). A whole embedding
+    and head (vocab_parallel False) under sequence parallelism: the embedding's gradient and the head's input
+    all-gathered, as DTensor does. Once a step, under sequence parallelism, the norms' weights' gradients (each tp
+    rank's from its own slice of the sequence) are all-reduced: one call per norm tensor (torch's DTensor,
+    "gathered") or all in one (Megatron-LM coalesces them, "sharded"). `head`: whether the stage holds the head
+    (default: the last stage).
     dp (over dp x cp): ZeRO-3 as FSDP2 does it, one unit a layer and one for the rest (the root): an all-gather
     per unit forward, again per layer unit backward (the root stays gathered), a reduce-scatter per unit, every
     micro-batch; ZeRO-1/2 a reduce-scatter of the gradients (every micro-batch for ZeRO-2) and an all-gather of
     the weights; ZeRO-0 an all-reduce. pp: a send and a receive per micro-batch and chunk, each way the stage
     talks (1/tp of the activations under sequence parallelism)."""
     out, layers = [], stage["layers"]
+    head = index == pp - 1 if head is None else head
     if tp > 1:
         recomputed = recompute == "full"
+        again = 2 if sequence_parallel and sp_saves == "sharded" else 0  # Megatron-LM gathers its inputs again
+        tp_ops = {}  # op: [calls, bytes]
+
+        def issue(op, calls, size):
+            row = tp_ops.setdefault(op, [0, 0])
+            row[0] += calls
+            row[1] += calls * size
         if sequence_parallel:
-            calls = m * layers * 2 * (2 + recomputed)
-            out += [{"group": "tp", "op": op, "calls": calls, "bytes": calls * act_bytes}
-                    for op in ("all_gather", "reduce_scatter")]
+            issue("all_gather", m * layers * (2 * (2 + recomputed) + again), act_bytes)
+            issue("reduce_scatter", m * layers * 2 * (2 + recomputed), act_bytes)
         else:
             backward = (1 if s.get("fused", True) else 3) + (1 if s.get("fused", True) or s["mlp_matrices"] == 2
                                                              else s["mlp_matrices"] - 1)
-            calls = m * layers * (2 * (1 + recomputed) + backward)
-            out.append({"group": "tp", "op": "all_reduce", "calls": calls, "bytes": calls * act_bytes})
+            issue("all_reduce", m * layers * (2 * (1 + recomputed) + backward), act_bytes)
+        if index == 0 and vocab_parallel:  # the embedding's partial sums over the vocabulary's slices
+            if sequence_parallel:
+                issue("reduce_scatter", m, act_bytes)
+                issue("all_gather", m, act_bytes)
+            else:
+                issue("all_reduce", m, act_bytes)
+        elif index == 0 and sequence_parallel:  # a whole table: its output cut, the gradient gathered back
+            issue("all_gather", m, act_bytes)
+        if head:
+            if sequence_parallel:
+                issue("all_gather", m * (1 + again // 2), act_bytes)
+                if vocab_parallel:
+                    issue("reduce_scatter", m, act_bytes)
+            elif vocab_parallel:
+                issue("all_reduce", m, act_bytes)
+            if vocab_parallel and loss_parallel:
+                issue("all_reduce", 3 * m, 4 * tokens)
+            elif vocab_parallel:
+                issue("all_gather", m, act_bytes / s["d_model"] * s["vocab"])
+        norm = {"rmsnorm": 1, "layernorm": 2}.get(s.get("norm"), 0)  # tensors a norm has (weight, bias)
+        if sequence_parallel and norm:
+            tensors = norm * (2 * layers + head)
+            calls = tensors if sp_saves == "gathered" else 1
+            issue("all_reduce", calls, state_bytes["grad"] * s["d_model"] * tensors / calls)
+        out += [{"group": "tp", "op": op, "calls": calls, "bytes": size} for op, (calls, size) in tp_ops.items()]
     if dp > 1:
         held, grad, param = stage["params"], state_bytes["grad"], state_bytes["param"]
         if zero == 3:
@@ -319,7 +412,8 @@ def collectives(s, stage, p, *, index, pp, dp, tp, m, chunks, zero, recompute, s
 def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, global_batch=None, micro_batch=1,
                      zero=1, recompute="selective", system="h100-sxm", schedule="1f1b", virtual_stages=1,
                      sequence_parallel=None, attention="flash", dropout=False, dtype="bf16", device_bytes=80 * GiB,
-                     grad_bytes=BYTES["grad"], recipe=None, vocab_parallel=True, stage_layers=None):
+                     grad_bytes=BYTES["grad"], recipe=None, vocab_parallel=True, stage_layers=None,
+                     sp_saves="sharded", norm_kernel="fused", loss_parallel=True):
     """Memory per GPU and a step-time estimate for `model` (a SHAPES name or a shape dict) trained on `gpus` GPUs
     split dp x tp x pp x cp (ep inside dp x cp, MoE only), all MODELLED (module docstring).
 
@@ -337,6 +431,15 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
     (Megatron-LM), or whole on every tp rank (the course's capstone). stage_layers: the layers of each of the pp
     stages (default: layers / pp each, the first layers % pp stages one more); Llama 3 gave its first and last
     stage one layer fewer than the others (126 on 16: 7, 8 x 14, 7), as scripts/13_gpt_3d.py's --split llama3 does.
+    The defaults are Megatron-LM's implementation; three options name another's (a dry run of the course's 3-D
+    capstone, chapter 12's `llama_job`, sets all three): sp_saves (SP_SAVES), what sequence parallelism keeps for
+    the backward of the column-parallel layers, "sharded" (Megatron-LM: gathered again in the backward) or
+    "gathered" (torch's DTensor); norm_kernel (NORM_KERNELS), what a norm keeps, "fused" (a GPU's kernel) or
+    "composite" (torch's RMSNorm without a fused kernel, the CPU's: fp32 copies); loss_parallel, with a
+    vocabulary-parallel head, Megatron-LM's vocabulary-parallel cross-entropy (True: each tp rank keeps the fp32
+    softmax of its 1/tp of the logits, three small all-reduces) or the logits all-gathered whole on every tp rank
+    and the plain cross-entropy (False: the whole logits, kept as the last stage's output, and their log-softmax,
+    in the activations' dtype). Without a vocabulary-parallel head the logits are whole on every rank anyway.
 
     Returns {"label": "modelled", "fits", "device_bytes", "peak_bytes" (tensors), "reserved_bytes" (with headroom),
     "stages": [first, last] each {"stage", "layers", "params", "states" (the sharded model states kept between
@@ -347,6 +450,10 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
     s = shape_of(model)
     _check(s, gpus, dp, tp, pp, cp, ep, seq, micro_batch, zero, recompute, system, schedule, virtual_stages,
            attention)
+    if sp_saves not in SP_SAVES:
+        raise ValueError(f"sp_saves must be one of {SP_SAVES}, got {sp_saves!r}")
+    if norm_kernel not in NORM_KERNELS:
+        raise ValueError(f"norm_kernel must be one of {NORM_KERNELS}, got {norm_kernel!r}")
     sequence_parallel = tp > 1 if sequence_parallel is None else sequence_parallel
     global_batch = dp * pp * micro_batch if global_batch is None else global_batch
     _whole(global_batch, "global_batch")
@@ -396,8 +503,10 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
     if len(per_stage) != pp or sum(per_stage) != L or not all(isinstance(n, int) and n >= 1 for n in per_stage):
         raise ValueError(f"stage_layers={stage_layers!r}: give the pp={pp} stages' layers, at least 1 each, adding up "
                          f"to the model's {L}")
+    element = 2 * act_scale  # bytes of an activation's element
     per_layer_act = activation_bytes_per_token(s, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute,
-                                               attention=attention, seq=seq, dropout=dropout) * tokens * act_scale
+                                               attention=attention, seq=seq, dropout=dropout, sp_saves=sp_saves,
+                                               norm_kernel=norm_kernel, element_bytes=element) * tokens
     if experts:  # each token's activations inside the MLP exist top_k times
         mlp_share = 4 * 2 * s["ffn"] / tp
         per_layer_act += (s["top_k"] - 1) * mlp_share * tokens * (recompute != "full")
@@ -427,7 +536,10 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
         in_flight = costs.pipeline_peak_activations(pp, m, chunks, index, sched) if pp > 1 else 1
         activations = in_flight * layers / chunks * per_layer_act
         if index == head_rank:
-            activations += 4 * tokens * s["vocab"] / vocab_split  # fp32 logits for the loss
+            activations += tokens * _head_activation_bytes(s, tp=tp, sequence_parallel=sequence_parallel,
+                                                           sp_saves=sp_saves, norm_kernel=norm_kernel,
+                                                           element_bytes=element, vocab_parallel=vocab_parallel,
+                                                           loss_parallel=loss_parallel)
         memory = {**states, "activations": activations}
         stages.append({"stage": name, "layers": layers, "params": dense + expert, "root_params": dense - layers *
                        layer_held, "states": sharded,
@@ -435,8 +547,10 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
     for st, index in zip(stages, (0, pp - 1)):
         st["collectives"] = collectives(s, st, p, index=index, pp=pp, dp=dp * cp, tp=tp, m=m, chunks=chunks,
                                         zero=zero, recompute=recompute, sequence_parallel=sequence_parallel,
-                                        act_bytes=2 * act_scale * tokens * d, state_bytes=state_bytes,
-                                        layer_held=layer_held)
+                                        act_bytes=element * tokens * d, state_bytes=state_bytes,
+                                        layer_held=layer_held, head=index == head_rank, tokens=tokens,
+                                        vocab_parallel=vocab_parallel, loss_parallel=loss_parallel,
+                                        sp_saves=sp_saves)
     if pp == 1:
         stages = stages[:1]
     peak = max(st["total"] for st in stages)
@@ -445,7 +559,7 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
     # --- one micro-batch (forward + backward) on each stage; the slowest sets the pipeline's pace
     passes = 3 + (recompute == "full")  # forward, backward (2x), and the forward again under full recomputation
     kv_width = s["kv_heads"] * (d // s["heads"])
-    act_bytes = 2 * act_scale * tokens * d  # one micro-batch's hidden states on this rank's sequence
+    act_bytes = element * tokens * d  # one micro-batch's hidden states on this rank's sequence
     tp_calls = (4 if sequence_parallel else 2) * (2 + (recompute == "full"))  # per layer: fwd, bwd, recomputed
     tp_kind = "all_gather" if sequence_parallel else "all_reduce"  # all-gathers and reduce-scatters cost the same
     forward_bytes = (_ELEMENTWISE_FORWARD["per_d_model"] * d
@@ -504,6 +618,7 @@ def plan_parallelism(model, *, gpus, dp, tp=1, pp=1, cp=1, ep=1, seq=4096, globa
             "layout": {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}, "seq": seq, "global_batch": global_batch,
             "micro_batch": micro_batch, "micro_batches": m, "zero": zero, "recompute": recompute, "system": system,
             "schedule": schedule, "virtual_stages": virtual_stages, "sequence_parallel": sequence_parallel,
+            "sp_saves": sp_saves, "norm_kernel": norm_kernel, "loss_parallel": loss_parallel,
             "attention": attention, "device": device, "device_bytes": device_bytes, "params": p["total"],
             "stages": stages, "peak_bytes": peak, "reserved_bytes": reserved, "fits": reserved <= device_bytes,
             "terms": terms, "compute_s": compute, "bubble_s": terms["pipeline bubble"], "comm_s": comm,

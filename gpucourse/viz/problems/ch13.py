@@ -11,11 +11,13 @@ LLAMA3_LAYOUT = ("Grattafiori et al., The Llama 3 Herd of Models, arXiv 2407.217
 
 
 def llama3_plan(model, tp, pp, dp, seq, global_batch, micro):
-    """The planner's plan of the job, split as Llama 3 split its layers (the first and last stage one short)."""
+    """The planner's plan of the job, split as Llama 3 split its layers (the first and last stage one short), with
+    sequence parallelism as chapter 13's script has it (torch's DTensor: the gathered inputs kept, nothing gathered
+    again in the backward; the logits gathered whole)."""
     split = planner.llama3_stage_layers(planner.SHAPES[model]["layers"], pp)
     return planner.plan_parallelism(model, gpus=tp * pp * dp, dp=dp, tp=tp, pp=pp, seq=seq, global_batch=global_batch,
                                     micro_batch=global_batch // dp // micro, schedule="1f1b", sequence_parallel=True,
-                                    stage_layers=split)
+                                    stage_layers=split, sp_saves="gathered", loss_parallel=False)
 
 
 def _stage_op(model, tp, pp, dp, seq, global_batch, micro, group, op):
@@ -32,9 +34,10 @@ def _pp_send(model, tp, pp, dp, seq, global_batch, micro):
 
 def _tp_gathers(model, tp, pp, dp, seq, global_batch, micro):
     gather, layers, d = _stage_op(model, tp, pp, dp, seq, global_batch, micro, "tp", "all_gather")
-    return {"answer": gather["bytes"], "calls": gather["calls"], "layers": layers,
-            "per_call_MB": gather["bytes"] / gather["calls"] / 1e6, "forward_only": gather["bytes"] / 2,
-            "one_layer": gather["bytes"] / layers}
+    each = gather["bytes"] / gather["calls"]
+    return {"answer": gather["bytes"], "calls": gather["calls"], "layers": layers, "per_call_MB": each / 1e6,
+            "forward_only": 2 * layers * micro * each, "blocks_only": 4 * layers * micro * each,
+            "one_layer": 4 * micro * each}
 
 
 def _dp_traffic(model, tp, pp, dp, seq, global_batch, micro):
@@ -78,16 +81,21 @@ PROBLEMS = [
     Problem(
         "13.tp-gathers",
         "The same job, split as Llama 3 split it (the first stage one layer short of the others'): tensor "
-        "parallelism with sequence parallelism all-gathers the sequence before each attention and each MLP, forward "
-        "and backward. On a rank of the first stage, how many GB do its all-gathers carry in a "
-        "step (nccl-tests' convention: the gathered buffer's bytes)?",
+        "parallelism with sequence parallelism (chapter 13's, torch's DTensor) all-gathers the sequence before each "
+        "attention and each MLP, forward and backward, and the vocabulary-parallel embedding's output is "
+        "reduce-scattered into sequence slices. On a rank of the first stage, how many GB do its all-gathers carry "
+        "in a step (nccl-tests' convention: the gathered buffer's bytes)?",
         inputs=dict(LLAMA), work=_tp_gathers, unit="GB", scale=1e9, digits=1, level="combine", source=LLAMA3_LAYOUT,
         hint="per layer and micro-batch: 2 all-gathers in the forward (before attention, before the MLP) and 2 in "
-             "the backward, each of the whole sequence's activations (seq x d_model x 2 bytes).",
+             "the backward, each of the whole sequence's activations (seq x d_model x 2 bytes); the embedding's "
+             "reduce-scatter is an all-gather in the backward, once a micro-batch.",
         traps={"forward_only": "That counted the forward's all-gathers only: the backward gathers again.",
+               "blocks_only": "That is the blocks' all-gathers: the embedding's gradient is gathered too, once a "
+                              "micro-batch.",
                "one_layer": "That is one layer's: the stage has several."},
-        solution="{layers} layers x {micro} micro-batches x 4 = {calls} all-gathers of {per_call_MB:.1f} MB: "
-                 "{answer}."),
+        solution="({layers} layers x 4 + the embedding's 1) x {micro} micro-batches = {calls} all-gathers of "
+                 "{per_call_MB:.1f} MB: {answer} (chapter 12's dry run of the script counts the same; Megatron-LM "
+                 "would gather each layer's inputs again in the backward: 2 more a layer)."),
     Problem(
         "13.dp-traffic",
         "The same job: FSDP over dp shards each stage's tp shards. Under the pipeline it all-gathers the bf16 weights "
@@ -109,11 +117,12 @@ PROBLEMS = [
         inputs=dict(LLAMA), work=_tp_over_pp, unit="x", digits=0, tolerance=0.01, level="combine",
         source=LLAMA3_LAYOUT,
         hint="tp: 2 all-gathers and 2 reduce-scatters of the whole sequence's activations per layer and micro-batch, "
-             "forward and backward; pp: one send per micro-batch of 1/tp of them (sequence parallel).",
+             "forward and backward, and the embedding's reduce-scatter and all-gather; pp: one send per micro-batch "
+             "of 1/tp of them (sequence parallel).",
         traps={"gathers_only": "That counted the all-gathers only: sequence parallelism reduce-scatters as much."},
         solution="tp {tp_GB:.1f} GB against pp {pp_GB:.3f} GB: {answer}. Per micro-batch, {layers} layers x 8 "
-                 "buffers of the whole sequence (4 all-gathers, 4 reduce-scatters) against one send of 1/{tp} of "
-                 "one: the group that talks most gets the fastest links."),
+                 "buffers of the whole sequence (4 all-gathers, 4 reduce-scatters) and the embedding's 2, against "
+                 "one send of 1/{tp} of one: the group that talks most gets the fastest links."),
     Problem(
         "13.audit-last-shard",
         "Audit: a planner counts each dp rank's share of {model}'s vocabulary-parallel head as the rows a tp rank "

@@ -169,7 +169,9 @@ EXPECTED = {
     "08b.hang-gpu-hours": lambda: 1024 * (600 + 300) / 3600,
     "08b.audit-timeout": lambda: 419 * 16384 * (600 - 120) / 3600,
     # a first-stage rank: tp 7 layers x 16 micro-batches x 4, all-gathers and reduce-scatters; dp 1 + 1; pp 16 + 16
-    "08b.fr-buffer-steps": lambda: 2000 / (2 * 7 * 16 * 4 + 1 + 1 + 2 * 16),
+    # tp: 4 all-gathers and 4 reduce-scatters a layer and micro-batch, and the embedding's two a micro-batch; dp: one
+    # all-gather and one reduce-scatter a step; pp: a send and a receive a micro-batch
+    "08b.fr-buffer-steps": lambda: 2000 / (2 * (7 * 16 * 4 + 16) + 1 + 1 + 2 * 16),
     "08b.rank0-save": lambda: planner.shape_params("llama3-70b")["total"] * 14 / 1e9 / 60,
     "08b.your-uneven-join": lambda: 100 * (7 - 4) / (2 * 7),  # Join: 7 steps on 2 ranks, rank 1 shadows 3
     "08d.your-samples-lost": lambda: 100 * 12 / (2 * 60),
@@ -179,11 +181,13 @@ EXPECTED = {
     "08d.diloco-link": lambda: 100 * diloco_sync() / (500 * 1.0 + diloco_sync()),
     # Llama 3 405B, tp 8 x pp 16 x dp 128, 16 micro-batches of one 8K sequence; the first stage holds 7 layers
     "13.pp-send": lambda: 16 * 8192 * 16384 * 2 / 8 / 1e9,  # a send a micro-batch, 1/tp of the sequence
-    "13.tp-gathers": lambda: 7 * 16 * 4 * 8192 * 16384 * 2 / 1e9,  # 2 forward + 2 backward a layer and micro-batch
+    # 2 forward + 2 backward a layer and micro-batch, and the embedding's gradient gathered once a micro-batch
+    "13.tp-gathers": lambda: (7 * 4 + 1) * 16 * 8192 * 16384 * 2 / 1e9,
     "13.audit-last-shard": lambda: 128256 // 8 - 126 * 127,  # pieces of ceil(16,032 / 128) = 126
     # the first stage's tp shard (7 layers and the embedding over tp 8): bf16 gathered, fp32 reduce-scattered
     "13.dp-traffic": lambda: first_stage_tp_shard() * (2 + 4) / 1e9,
-    "13.tp-over-pp": lambda: 7 * 8 * 8,  # per micro-batch 7 layers x 8 whole-sequence buffers, against 1/tp of one
+    # per micro-batch 7 layers x 8 whole-sequence buffers and the embedding's 2, against 1/tp of one
+    "13.tp-over-pp": lambda: (7 * 8 + 2) * 8,
 }
 
 

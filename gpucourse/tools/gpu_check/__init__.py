@@ -11,7 +11,7 @@
     graders          `gpucourse grade` for the GPU-relevant exercises
 """
 from .backends import (check_data_parallel, check_gloo_ranks_share_a_gpu, check_nccl_one_rank,
-                       check_nccl_refused_beyond_gpus)
+                       check_nccl_refused_beyond_gpus, check_nccl_watchdog)
 from .capstone import (CAPSTONE_VARIANTS, KERNEL_KINDS, check_capstone_compiled, check_capstone_mfu,
                        check_dryrun_memory, compile_seconds)
 from .chapter_scripts import (check_bf16_autocast_ddp, check_cuda_trace, check_default_sizes, check_fsdp_memory,

@@ -1,8 +1,14 @@
-"""The backends on the GPU: the doctor job on NCCL, gloo ranks sharing the GPU, NCCL refused beyond the GPUs, and
-nn.DataParallel against the plain module."""
+"""The backends on the GPU: the doctor job on NCCL, gloo ranks sharing the GPU, NCCL refused beyond the GPUs, NCCL's
+watchdog catching an overdue collective, and nn.DataParallel against the plain module."""
 from __future__ import annotations
 
+import pickle
+import time
+from pathlib import Path
+
 from .harness import DOCTOR_JOB, failed_run, launch, needs
+
+WATCHDOG_JOB = DOCTOR_JOB.with_name("watchdog_job.py")
 
 
 def _doctor_record(res, rank=0) -> dict:
@@ -42,6 +48,31 @@ def check_nccl_refused_beyond_gpus():
     except LaunchConfigError as err:
         return True, f"{n} ranks on NCCL refused: {err}", {"message": str(err)}
     return False, f"{n} ranks on NCCL were started ({res.status}) instead of refused", {}, res
+
+
+@needs(60)
+def check_nccl_watchdog(timeout_s: float = 10.0, sleep_s: float = 120.0):
+    """NCCL's watchdog on one GPU (chapter 08b's environment variables): an all-reduce queued behind a long GPU sleep
+    is caught after the group's timeout, its Flight Recorder dumped (TORCH_NCCL_DUMP_ON_TIMEOUT=1) with the stuck
+    all-reduce not completed, and the rank torn down (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) long before the sleep ends."""
+    import tempfile
+
+    dumps = Path(tempfile.mkdtemp(prefix="gpucheck-fr-"))
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+           "TORCH_FR_DUMP_TEMP_FILE": str(dumps / "rank_")}
+    began = time.monotonic()
+    res = launch(WATCHDOG_JOB, nproc=1, backend="nccl", name="gpucheck-nccl-watchdog", env=env,
+                 args=["--timeout", str(timeout_s), "--sleep", str(sleep_s)], timeout=sleep_s + 60, max_restarts=0)
+    took = time.monotonic() - began
+    log = res.log(0)
+    caught = "Watchdog caught collective operation timeout" in log
+    entries = [e for f in dumps.glob("rank_*") for e in pickle.loads(f.read_bytes()).get("entries", [])]
+    stuck = [e for e in entries if "all_reduce" in str(e.get("profiling_name")) and e.get("state") != "completed"]
+    ok = not res.ok and caught and "survived" not in log and bool(stuck) and took < sleep_s
+    return ok, (f"timeout {timeout_s:g} s: the job ended after {took:.0f} s ({res.status}); watchdog's line "
+                f"{'logged' if caught else 'MISSING'}; Flight Recorder dump {len(entries)} entries, "
+                f"{len(stuck)} all-reduce(s) not completed"), \
+        {"seconds": took, "caught": caught, "entries": len(entries), "stuck": len(stuck)}, res
 
 
 @needs(2)

@@ -27,7 +27,7 @@ from pathlib import Path
 from ..argtypes import positive_int, positive_seconds
 from . import harness
 from .backends import (check_data_parallel, check_gloo_ranks_share_a_gpu, check_nccl_one_rank,
-                       check_nccl_refused_beyond_gpus)
+                       check_nccl_refused_beyond_gpus, check_nccl_watchdog)
 from .capstone import check_capstone_compiled, check_capstone_mfu, check_dryrun_memory
 from .chapter_scripts import (check_bf16_autocast_ddp, check_cuda_trace, check_default_sizes, check_fsdp_memory,
                               check_pipeline_schedules, check_precision_recipes)
@@ -61,7 +61,8 @@ class Outcome:
 CHECKS = {"notebooks": check_notebooks, "graders": check_graders, "capstone_compiled": check_capstone_compiled,
           "fp8": check_fp8, "gloo_cuda_segv": check_gloo_cuda_segv, "default_sizes": check_default_sizes,
           "nccl_one_rank": check_nccl_one_rank, "gloo_ranks_share_a_gpu": check_gloo_ranks_share_a_gpu,
-          "nccl_refused_beyond_gpus": check_nccl_refused_beyond_gpus, "cuda_trace": check_cuda_trace,
+          "nccl_refused_beyond_gpus": check_nccl_refused_beyond_gpus, "nccl_watchdog": check_nccl_watchdog,
+          "cuda_trace": check_cuda_trace,
           "data_parallel": check_data_parallel, "bf16_autocast_ddp": check_bf16_autocast_ddp,
           "fsdp_memory": check_fsdp_memory, "precision_recipes": check_precision_recipes,
           "capstone_mfu": check_capstone_mfu, "dryrun_memory": check_dryrun_memory,

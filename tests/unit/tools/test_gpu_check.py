@@ -217,3 +217,44 @@ def test_pipeline_schedules_launches_every_schedule_chapter_05_knows_and_names_t
     assert not passed and figures["DualPipeV"]["status"] == "failed" and figures["GPipe"]["error"] is None
     assert f"{len(launched) - 1} of {len(launched)} schedules ran" in text and "DualPipeV" in text
     assert "Pair is not connected" in text
+
+
+class _Ended:
+    """A launch result: failed (the watchdog's abort) or not, with what rank 0 printed."""
+
+    def __init__(self, ok, log):
+        self.ok, self.status, self.error, self._log = ok, "ok" if ok else "failed", None, log
+
+    def log(self, rank):
+        return self._log
+
+    def summary(self):
+        return self.status
+
+
+@pytest.mark.parametrize("ok, said, state, passes", [
+    (False, "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE", "scheduled", True),
+    (True, "Watchdog caught collective operation timeout\nsurvived: the watchdog did not end the process", "scheduled",
+     False),  # the process outlived the timeout
+    (False, "RuntimeError: CUDA error", "scheduled", False),  # died of something else
+    (False, "Watchdog caught collective operation timeout", "completed", False),  # the dump shows nothing stuck
+])
+def test_the_watchdog_check_needs_the_timeout_line_a_stuck_dump_and_an_early_end(monkeypatch, ok, said, state,
+                                                                                  passes):
+    """nccl_watchdog's verdict, its launch faked: the job must end early, having logged NCCL's watchdog line, with
+    a Flight Recorder dump (pickled, torch's format: entries with profiling_name and state) holding a stuck all-reduce."""
+    import pickle
+    from pathlib import Path
+
+    from gpucourse.tools.gpu_check import backends
+
+    def fake_launch(script, env, **kw):
+        entries = [{"profiling_name": "nccl:all_reduce", "state": "completed"},
+                   {"profiling_name": "nccl:all_reduce", "state": state}]
+        Path(env["TORCH_FR_DUMP_TEMP_FILE"] + "0").write_bytes(pickle.dumps({"entries": entries}))
+        return _Ended(ok, said)
+
+    monkeypatch.setattr(backends, "launch", fake_launch)
+    passed, summary, figures, _ = backends.check_nccl_watchdog()
+    assert passed is passes, summary
+    assert figures["entries"] == 2

@@ -12,8 +12,9 @@ Importing the package is cheap (no torch): names are loaded on first use, so `im
 in a shell or a notebook costs milliseconds and `gpucourse.runtime` pulls torch only inside a rank.
 The names below are the course's public surface: `gpucourse.launch(...)`, `gpucourse.launch_all([...])`,
 `from gpucourse import runtime, costs`; `import gpucourse.costs` and `from gpucourse.costs import busbw` give the
-same module objects (gpucourse.models.costs: its layer path stays its name). Inside the package every import names
-the layer (tests/unit/test_architecture.py).
+same module objects (gpucourse.models.costs: its layer path stays its name). A notebook imports only these, and
+its chapter's module (`from gpucourse.chapters import ch05`), never a layer path (tests/unit/test_notebook_files.py);
+inside the package every import names the layer (tests/unit/test_architecture.py).
 """
 import sys
 from importlib import import_module
@@ -33,14 +34,20 @@ _NAMES = {
     "analyze_run": "gpucourse.models.traces",
     "dryrun": "gpucourse.run.dryrun",
 }
-# the modules a chapter or a script imports by short name: `from gpucourse import runtime`
+# the modules a notebook or a script imports by short name: `from gpucourse import runtime`, `from gpucourse.quiz import
+# QuickCheck`
 _MODULES = {
     "runtime": "gpucourse.run.runtime", "hardware": "gpucourse.run.hardware", "live": "gpucourse.run.live",
+    "slurm": "gpucourse.run.slurm", "launcher": "gpucourse.run.launcher", "contract": "gpucourse.run.contract",
+    "procs": "gpucourse.run.procs", "forensics": "gpucourse.run.forensics",
     "costs": "gpucourse.models.costs", "memory": "gpucourse.models.memory", "traces": "gpucourse.models.traces",
-    "units": "gpucourse.models.units",
+    "units": "gpucourse.models.units", "training": "gpucourse.models.training", "ddpsteps": "gpucourse.models.ddpsteps",
+    "scaling": "gpucourse.models.scaling", "pipeline": "gpucourse.models.pipeline",
+    "sharding": "gpucourse.models.sharding", "recompute": "gpucourse.models.recompute",
+    "planner": "gpucourse.models.planner", "published": "gpucourse.models.published",
     "plots": "gpucourse.viz.plots", "tables": "gpucourse.viz.tables", "timeline": "gpucourse.viz.timeline",
-    "widgets": "gpucourse.viz.widgets",
-    "quiz": "gpucourse.viz.quiz", "problems": "gpucourse.viz.problems", "slurm": "gpucourse.run.slurm",
+    "widgets": "gpucourse.viz.widgets", "reports": "gpucourse.viz.reports",
+    "quiz": "gpucourse.viz.quiz", "problems": "gpucourse.viz.problems",
     "exercises": "gpucourse.tools.exercises", "grading": "gpucourse.tools.grading",
     "labconfig": "gpucourse.tools.labconfig",
 }

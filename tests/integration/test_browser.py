@@ -379,12 +379,12 @@ def test_widgets_show_the_values_they_were_given(lab, browser):
     snapped one back to the kernel (7.5e9 parameters became 7.94e9, 8.8 ms became 7.94 ms)."""
     from gpucourse.viz.widgets import memory_calculator
 
-    cells = [nbformat.v4.new_code_cell("from gpucourse.viz.widgets import memory_calculator\n"
+    cells = [nbformat.v4.new_code_cell("from gpucourse.widgets import memory_calculator\n"
                                        "memory_calculator(num_params=7.5e9, world_size=64)"),
-                nbformat.v4.new_code_cell("from gpucourse.viz.widgets import scaling_simulator\n"
+                nbformat.v4.new_code_cell("from gpucourse.widgets import scaling_simulator\n"
                                        "scaling_simulator({'compute_s': 0.0088, 'grad_bytes': 4 * 7.5e9,\n"
                                        "                   'alpha': 3e-4, 'beta': 2e-9, 'bucket_mb': 3.3})"),
-                nbformat.v4.new_code_cell("from gpucourse.viz.quiz import QuickCheck\n"
+                nbformat.v4.new_code_cell("from gpucourse.quiz import QuickCheck\n"
                                        "QuickCheck('Which option? `code`', ['this one', 'that one'], 1, 'ANSWER-TEXT')",
                                        metadata={"jupyter": {"source_hidden": True}})]  # as the chapters store it
     write_notebook(lab, "widgets.ipynb", cells)
@@ -437,7 +437,7 @@ IMAGE_FIT = """box => Array.from(box.querySelectorAll('img')).map(img =>
 def test_memory_calculator_fits_its_box(lab, browser):
     """Chapter 07's calculator as rendered: no dropdown label cut ('Adam / AdamW (m,', 'bf16/fp16 + fp32 ma'),
     the plot drawn at its own size. (The title and legend inside the plot are checked in test_memory.py.)"""
-    cells = [nbformat.v4.new_code_cell("from gpucourse.viz.widgets import memory_calculator\n"
+    cells = [nbformat.v4.new_code_cell("from gpucourse.widgets import memory_calculator\n"
                                        "memory_calculator(num_params=7.5e9, world_size=64)")]
     write_notebook(lab, "calculator.ipynb", cells)
     page = open_notebook(browser, lab, "calculator.ipynb")
@@ -466,7 +466,7 @@ def assert_fits(box) -> None:
 def test_run_explorer_shows_a_profiled_run(lab, browser):
     """Chapter 03's run explorer on a real profiled job: the run listed, its timeline drawn, nothing cut."""
     worker = Path(__file__).resolve().parents[1] / "jobs" / "worker.py"
-    cells = [nbformat.v4.new_code_cell(f"import gpucourse\nfrom gpucourse.viz.widgets import run_explorer\n"
+    cells = [nbformat.v4.new_code_cell(f"import gpucourse\nfrom gpucourse.widgets import run_explorer\n"
                                        f"gpucourse.launch({str(worker)!r}, nproc=2, args=['--steps', '4', "
                                        f"'--profile'], name='explored', live=False)"),
                 nbformat.v4.new_code_cell("run_explorer()")]
@@ -588,7 +588,7 @@ def test_scaling_simulator_follows_its_sliders(lab, browser):
     """Chapter 03's simulator as a learner uses it: it starts at the values it was given (no snapping), and each
     slider moved from the keyboard changes the kernel's value, redraws the plot, and makes the summary say what
     gpucourse.models.costs says for the new values. Nothing in it is cut."""
-    cells = [nbformat.v4.new_code_cell(f"from gpucourse.viz.widgets import scaling_simulator\n"
+    cells = [nbformat.v4.new_code_cell(f"from gpucourse.widgets import scaling_simulator\n"
                                        f"sim = scaling_simulator({SIMULATOR_GIVEN!r})\nsim")]
     write_notebook(lab, "simulator.ipynb", cells)
     page = open_notebook(browser, lab, "simulator.ipynb")

@@ -1,6 +1,6 @@
 """Numeric problems, a module a chapter, each answer computed by the course's models (base.py says how).
 
-    from gpucourse.viz import problems
+    from gpucourse import problems
     problems.show("12")                        # chapter 12's problems, one widget each
     problems.show("01", mine={"your-busbw-predict": {"time_ms": t_ms}})   # its your-run problems with your numbers
     problems.show("01.your-busbw-predict", time_ms=41.0)   # one problem, any of its inputs changed

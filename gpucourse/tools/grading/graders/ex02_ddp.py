@@ -1,44 +1,32 @@
 """Grader of ex02: DDP and BucketedDDP, data parallelism written by hand (run it with `gpucourse grade ex02`).
 
-One real 2-rank job (ex02_ddp.py, through gpucourse.launch) runs every case on the submission and saves what it
-produced; the tests below compare it, here in the grader process, with references computed here from the job's
-own model and data functions. What is checked, for both classes:
-- the parameters match one process on the full batch, step by step (SGD and AdamW; a frozen parameter,
-  tied weights), and every gradient byte is all-reduced exactly once (frozen: never);
-- the same with zero_grad(set_to_none=False) and two backward + finish rounds accumulated per step (gradients
-  kept between steps: a BucketedDDP whose .grad are views of its buckets must divide them there too);
-- rank 0's parameters and buffers win over rank 1's at construction;
-- all_reduces start before backward reaches the first layer, asynchronously, and are not waited for until
-  backward has ended (measured, not assumed);
-- `.module`, and calling the wrapper runs the forward;
-- BucketedDDP: every all_reduce fits in bucket_size_mb (unless one parameter alone is larger), and large
-  buckets mean fewer all_reduces than parameters;
-- torch's own DistributedDataParallel is not used (in the code, or at run time).
-
-In each rank (this file, run by torchrun through gpucourse.launch): the grading job of ex02 (DDP and BucketedDDP):
-every check, on 2 ranks, in one launch.
+One real 2-rank job runs every case on the submission: this file, run in each rank by torchrun through
+gpucourse.launch,
 
     ex02_ddp.py SUBMISSION.py [--case-limit SECONDS]
 
-The checks below launch it through gpucourse.launch. Each rank logs one record per case through
-jobkit.record_writer (runtime.log's format; the tests read them from RunResult.metrics) and saves the case's
-tensors raw; the rank judges nothing: the grader process recomputes every reference (one process on the full
-batch, rank 0's initial state, the module's own forward) from the functions below and compares. For example
+Each rank logs one record per case through jobkit.record_writer (runtime.log's format; the tests read them from
+RunResult.metrics) and saves the case's tensors raw; the rank judges nothing: the tests below recompute every
+reference here, in the grader process (one process on the full batch, rank 0's initial state, the module's own
+forward), from the job's own model and data functions, and compare. For example
 
     {"case": "DDP-tied-adamw", "group": "equiv", "error": None, "raw": ["params"], "names": [...],
      "comm_bytes": [...], "trainable_bytes": 2112}
 
-Cases, for each of DDP and BucketedDDP:
+Cases, for each of DDP and BucketedDDP, and what is checked of each:
   module      `.module` is the wrapped module; calling the wrapper runs its forward (with a keyword)
   rank0       rank 1's parameters and buffers are perturbed before wrapping: afterwards every rank holds rank 0's
-  equiv       the parameters after each step of N ranks on batch B, against (in the grader) one process on the
-              full batch N*B (mean loss), with SGD and AdamW, for a model with a frozen parameter and one with tied
-              weights
-  keep        zero_grad(set_to_none=False) (the .grad tensors kept and zeroed) and two backward + finish rounds
-              (half the local batch each) accumulated before every optimizer step: again against one process
-  overlap     when every all_reduce started and every handle was waited for, against when backward reached
-              the first layer and when it ended
-  buckets     (BucketedDDP only) the bytes of every all_reduce, for a small and a large bucket_size_mb
+  equiv       the parameters after each step of N ranks on batch B match one process on the full batch N*B (mean
+              loss), with SGD and AdamW, for a model with a frozen parameter and one with tied weights; every
+              gradient byte is all-reduced exactly once (frozen: never)
+  keep        the same with zero_grad(set_to_none=False) (the .grad tensors kept and zeroed) and two backward +
+              finish rounds (half the local batch each) accumulated before every optimizer step (gradients kept
+              between steps: a BucketedDDP whose .grad are views of its buckets must divide them there too)
+  overlap     all_reduces start before backward reaches the first layer, asynchronously, and are not waited for
+              until backward has ended (measured, not assumed)
+  buckets     (BucketedDDP only) every all_reduce fits in bucket_size_mb (unless one parameter alone is larger),
+              and large buckets mean fewer all_reduces than parameters: a small and a large bucket_size_mb
+and in every case torch's own DistributedDataParallel is not used (in the code, or at run time).
 
 The submission runs under guard: every all_reduce it starts is recorded through any layer (comm_recorder: when,
 how many bytes, whether asynchronous), torch's own DistributedDataParallel is replaced by a class that refuses
@@ -357,23 +345,15 @@ def case_buckets(impls, guard, bucket_mb):
 
 def plan() -> list[tuple[str, str, object]]:
     """(case, group, function of (impls, guard)) in the order they run: cheap and basic first."""
-    cases = []
-    for impl in IMPLS:
-        cases.append((f"{impl}-module", "module", functools.partial(case_module, impl=impl)))
-    for impl in IMPLS:
-        cases.append((f"{impl}-rank0", "rank0", functools.partial(case_rank0, impl=impl)))
-    for impl in IMPLS:
-        for model in MODELS:
-            for optim in OPTIMIZERS:
-                cases.append((f"{impl}-{model}-{optim}", "equiv",
-                              functools.partial(case_equiv, impl=impl, model=model, optim=optim)))
-    for impl in IMPLS:
-        cases.append((f"{impl}-keep", "keep", functools.partial(case_keep, impl=impl)))
-    for impl in IMPLS:
-        cases.append((f"{impl}-overlap", "overlap", functools.partial(case_overlap, impl=impl)))
-    cases.append(("BucketedDDP-buckets-small", "buckets", functools.partial(case_buckets, bucket_mb=SMALL_BUCKET_MB)))
-    cases.append(("BucketedDDP-buckets-large", "buckets", functools.partial(case_buckets, bucket_mb=LARGE_BUCKET_MB)))
-    return cases
+    def each_impl(group, case):
+        return [(f"{impl}-{group}", group, functools.partial(case, impl=impl)) for impl in IMPLS]
+
+    cases = each_impl("module", case_module) + each_impl("rank0", case_rank0)
+    cases += [(f"{impl}-{model}-{optim}", "equiv", functools.partial(case_equiv, impl=impl, model=model, optim=optim))
+              for impl in IMPLS for model in MODELS for optim in OPTIMIZERS]
+    cases += each_impl("keep", case_keep) + each_impl("overlap", case_overlap)
+    return cases + [(f"BucketedDDP-buckets-{size}", "buckets", functools.partial(case_buckets, bucket_mb=mb))
+                    for size, mb in (("small", SMALL_BUCKET_MB), ("large", LARGE_BUCKET_MB))]
 
 
 class Ex02Job(jobkit.GradingJob):

@@ -1,11 +1,9 @@
 """Grader of ex10: ring attention over a sequence split across ranks (run it with `gpucourse grade ex10`).
 
-One real job per world size (1, 2, 3 and 4 ranks, through gpucourse.launch; ex10_ring_attention.py), side by side. Every
-rank shards the same full q, k, v with the submission's shard_sequence, runs ring_attention forward and backward
-on its shard, and saves raw what came out (output, gradients, where its rows sit in the sequence). The tests
-below compare that, here in the grader process, with F.scaled_dot_product_attention on the whole sequence
-(float64), recomputed from the job's own seeds; the layout is judged from every rank's shard of the positions.
-What is checked:
+One real job per world size (1, 2, 3 and 4 ranks, side by side) runs the submission on every rank's shard of one
+sequence (how: below); the tests compare what the ranks saved, here in the grader process, with
+F.scaled_dot_product_attention on the whole sequence (float64), and judge the layout from every rank's shard of
+the positions. What is checked:
 - shard_sequence gives every position to exactly one rank, and with a causal mask every rank gets the same work
   (the zig-zag layout; a contiguous split gives the last rank N times the first's);
 - outputs and q/k/v gradients equal SDPA's, causal and not, float32 and float64, and with scores large enough

@@ -108,11 +108,6 @@ def test_every_cell_reads_on_one_screen(path):
 # (`from gpucourse import costs`, `from gpucourse.quiz import QuickCheck`) and its chapter's module
 # (`from gpucourse.chapters import ch05`); never a layer path such as gpucourse.viz.quiz.
 LAYERS = ("run", "models", "viz", "tools")
-# 13 is written by a builder outside the repository, and 12 is being changed on another branch: each moves to the short
-# names there (strict: this fails once one of them has, to be taken off this list)
-LAYER_PATHS_LEFT = {"12_at_scale_on_your_laptop", "13_3d_parallel_and_silent_bugs"}
-
-
 def layer_paths(source: str) -> list[str]:
     """The lines of a code cell that name a layer of the package: `from gpucourse.viz import problems`,
     `from gpucourse import viz`, `import gpucourse.run.contract`, `gpucourse.models.costs.busbw(...)`."""
@@ -148,8 +143,7 @@ def test_layer_paths_finds_every_way_of_naming_a_layer():
         "x = gpucourse.run.launcher"]
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="moves on elsewhere"))
-                                  if p.stem in LAYER_PATHS_LEFT else p for p in NOTEBOOKS], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_imports_the_package_by_its_short_names(path):
     named = [f"cell {i} ({cell.id}): {line}" for i, cell in enumerate(_cells(path))
              if cell.cell_type == "code" and not WRITEFILE.match(cell.source) for line in layer_paths(cell.source)]

@@ -59,7 +59,7 @@ def check_nccl_watchdog(timeout_s: float = 10.0, sleep_s: float = 120.0):
 
     dumps = Path(tempfile.mkdtemp(prefix="gpucheck-fr-"))
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-           "TORCH_FR_DUMP_TEMP_FILE": str(dumps / "rank_")}
+           "TORCH_FR_DUMP_TEMP_FILE": str(dumps / "rank_"), "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(dumps / "rank_")}
     began = time.monotonic()
     res = launch(WATCHDOG_JOB, nproc=1, backend="nccl", name="gpucheck-nccl-watchdog", env=env,
                  args=["--timeout", str(timeout_s), "--sleep", str(sleep_s)], timeout=sleep_s + 60, max_restarts=0)

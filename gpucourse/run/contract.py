@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from pathlib import Path
 
 ENV_PREFIX = "GPUCOURSE_"
@@ -99,25 +100,64 @@ def exit_files(run_dir: Path) -> list[Path]:
 # Who failed first: how an exit file's failure records are read.
 PEER_REPORTS = ("remote worker", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 # How torchrun stops the ranks still running once one has failed (SIGTERM, then SIGKILL after its grace
-# period), and what it forwards when it is stopped itself. A rank ended by one of these did not fail.
+# period), and what it forwards when it is stopped itself. A rank ended by one of these did not fail, except a
+# SIGKILL that came first: nothing was being stopped yet, so it was killed from outside (the kernel's OOM killer, a
+# machine that dies, a script that kills itself as chapter 08b's crash does). See `stopped`.
 STOP_SIGNALS = ("SIGTERM", "SIGKILL", "SIGINT", "SIGHUP")
 
 
 OWN, PEER, STOPPED = "failed on its own", "reported a peer's failure", "stopped by torchrun"
 
 
-def failure_kind(failure: dict) -> str:
-    """How a rank of an exit file's failure records ended: stopped by torchrun (a stop signal), reporting a peer's
-    failure (its message is gloo's "Connection closed by peer", ...), or failed on its own (anything else: an
-    exception, a crash signal, a non-zero exit code)."""
-    if failure.get("signal") in STOP_SIGNALS:
+def signal_name(exitcode: int | None) -> str:
+    """The signal that ended a rank ('SIGKILL' for exit code -9: below zero, an exit code is minus the signal, as
+    torchrun and subprocess report it); '' when no signal did."""
+    if exitcode is None or exitcode >= 0:
+        return ""
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def stopped(exitcode: int | None, ended: float | None = None, first_other: float | None = None) -> bool:
+    """The one rule for "this rank did not fail by itself, it was stopped" (torchrun, or the launcher), shared by
+    the launcher's blame (failure_kind, root_rank) and forensics' reader (diagnose).
+
+    A stop signal (STOP_SIGNALS) stops, except SIGKILL: torchrun sends it only to the ranks that outlived its
+    SIGTERM by the grace period, so after another rank's failure. A SIGKILL no later than every other rank's
+    failure (`ended`, `first_other`: torchrun's timestamps, whole seconds), or one without that context, is the
+    rank's own end: killed from outside. An exit code (1, 3, ...) or another signal (SIGABRT, SIGSEGV) is its own."""
+    name = signal_name(exitcode)
+    if name == "SIGKILL":
+        return ended is not None and first_other is not None and ended > first_other
+    return name in STOP_SIGNALS
+
+
+def failed_by_itself(exitcode: int | None, rank: int | None = None, failures: list[dict] = ()) -> bool:
+    """Whether a rank that ended with `exitcode` failed by itself: it ended non-zero and was not `stopped`. `failures`,
+    the run's exit-file records where known (exit_failures), tell when it and the others ended."""
+    if exitcode in (None, 0):
+        return False
+    mine = next((f for f in failures if f["rank"] == rank), None)
+    first_other = min((f["timestamp"] for f in failures if f["rank"] != rank), default=None)
+    return not stopped(exitcode, mine["timestamp"] if mine else None, first_other)
+
+
+def failure_kind(failure: dict, failures: list[dict] = ()) -> str:
+    """How a rank of an exit file's failure records ended: stopped by torchrun (`stopped`; `failures`, the run's
+    records, say whether a SIGKILL came after another rank's failure), reporting a peer's failure (its message is
+    gloo's "Connection closed by peer", ...), or failed on its own (anything else: an exception, a crash signal, a
+    non-zero exit code)."""
+    if not failed_by_itself(failure["exitcode"], failure["rank"], failures):
         return STOPPED
     return PEER if any(text in json.dumps(failure["message"]) for text in PEER_REPORTS) else OWN
 
 
-def blame_key(failure: dict) -> tuple:
-    """Sort key of an exit file's failure records: the first one is the root cause (see root_rank)."""
-    kind = failure_kind(failure)
+def blame_key(failure: dict, failures: list[dict] = ()) -> tuple:
+    """Sort key of an exit file's failure records (`failures`: all of the run's): the first one is the root cause
+    (see root_rank)."""
+    kind = failure_kind(failure, failures)
     return (kind == STOPPED, kind == PEER, failure["timestamp"], not isinstance(failure["message"], dict),
             failure["rank"])
 
@@ -127,12 +167,25 @@ def root_rank(failures: list[dict]) -> int:
 
     torchrun orders by timestamps of one-second resolution, so ties are common, and a rank that
     aborts (SIGABRT) or crashes (SIGSEGV) ties with the innocent ranks torchrun then SIGTERMs. So:
-    first the ranks that failed on their own (an exception, a crash signal, a non-zero exit code),
-    then those that only report a peer's death (gloo: "typically caused by a remote worker
+    first the ranks that failed on their own (an exception, a crash signal, a non-zero exit code, a SIGKILL
+    that came first), then those that only report a peer's death (gloo: "typically caused by a remote worker
     crashing"), then those torchrun stopped; within each, the earliest, one with a traceback, the
     lowest rank.
     """
-    return min(failures, key=blame_key)["rank"]
+    return min(failures, key=lambda f: blame_key(f, failures))["rank"]
+
+
+def exit_failures(run_dir: Path) -> list[dict]:
+    """Every failure record of a run's exit files (those of status 'failed'), all agents together."""
+    out = []
+    for path in exit_files(run_dir):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("status") == "failed":
+            out.extend(record.get("failures", []))
+    return out
 
 
 def logs_dir(run_dir: Path) -> Path:

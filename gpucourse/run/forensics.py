@@ -36,7 +36,6 @@ import contextlib
 import json
 import os
 import pickle
-import signal
 import sys
 import threading
 import time
@@ -45,7 +44,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .contract import EVENT_SETUP, EVENT_TEARDOWN, manifest_file, metrics_file
+from .contract import EVENT_SETUP, EVENT_TEARDOWN, exit_failures, failed_by_itself, manifest_file, metrics_file
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_ENTRIES = 2000  # collectives kept per rank: a few steps of a large model's FSDP traffic
@@ -335,7 +334,8 @@ def _majority(signatures: dict[int, str]) -> list[int]:
 
 
 def diagnose(run_dir: str | Path, world: int | None = None, exits: dict[int, int | None] | None = None) -> Diagnosis:
-    """Read a run's dumps (and, where given, each rank's exit code: non-zero or a signal means it died) and name
+    """Read a run's dumps (and, where given, each rank's exit code: non-zero means it died, unless torchrun stopped
+    it: contract.failed_by_itself, with the run's exit files for context) and name
     the fault and its process group (the default group, or a subgroup: a DeviceMesh dimension's TP or DP group).
     The world size is read from the run's manifest unless given."""
     run_dir = Path(run_dir)
@@ -445,13 +445,15 @@ def _blocked(run_dir, world, exits, dumps, stacks, seqs, order, before) -> Diagn
     culprits = sorted(p for p in roots if not reached(p, group, seq) and p in group.ranks)
     evidence = [f"rank {r}: in {op} #{seq} of {group}" for r in group.ranks if reached(r, group, seq)]
     finished = _ranks_with_event(run_dir, world, EVENT_TEARDOWN)
+    ended = exit_failures(run_dir)  # when each failed rank ended: a SIGKILL after another's failure was torchrun's
     kinds = set()
     for rank in culprits:
         code = exits.get(rank)
         if rank not in dumps:
-            # Died by itself: a non-zero exit before its work was done, other than torchrun's SIGTERM to the
-            # ranks left after a failure (a rank stuck in its exit then, or its teardown, is not to blame).
-            died = code not in (None, 0, -signal.SIGTERM) and rank not in finished
+            # Died by itself (contract.failed_by_itself, the launcher's rule too): a non-zero exit before its work
+            # was done, other than torchrun stopping the ranks left after a failure (a rank stuck in its exit then,
+            # or its teardown, is not to blame).
+            died = failed_by_itself(code, rank, ended) and rank not in finished
             words = _last_words(run_dir, rank)
             # gloo aborts the process (no Python exception, so no dump) when a peer's message has another size
             kinds.add("shape" if died and GLOO_SIZE_MISMATCH in words else "crash" if died else "missing")

@@ -1,4 +1,4 @@
-"""The contract between the launcher, the agent, the ranks and whoever reads a run back.
+"""Both sides: the contract between the launcher, the agent, the ranks and whoever reads a run back.
 
 The launcher (launcher.py) starts the agent (agent.py), the agent starts the ranks, the ranks write
 through the runtime (runtime.py), and the launcher, the live view (tail.py) and RunResult (result.py)
@@ -57,7 +57,7 @@ STORE_PREFIX_ENV = "GPUCOURSE_STORE_PREFIX"
 # the script ends.
 DRYRUN_ENV = "GPUCOURSE_DRYRUN"
 # With DRYRUN_ENV, FAKE_TENSORS_ENV=1 makes every tensor the rank makes after setup() a FakeTensor: shapes, dtypes
-# and devices, no storage (run/dryrun.py's enter_fake_tensors).
+# and devices, no storage (run/fake.py's enter_fake_tensors).
 FAKE_TENSORS_ENV = "GPUCOURSE_FAKE_TENSORS"
 COUNT_FILE_ENV = "GPUCOURSE_COUNT_FILE"
 

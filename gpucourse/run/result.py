@@ -1,4 +1,5 @@
-"""What a run left on disk, read back: `RunResult` (also for runs of earlier sessions).
+"""In the launcher's process (or any reader, later): what a run left on disk, read back, `RunResult` (also for runs of
+earlier sessions).
 
 A run directory holds (contract.py has the names and the formats):
     manifest.json                    command, backend, world size, versions, times, status, exit codes

@@ -16,6 +16,8 @@ import time
 import traceback
 from pathlib import Path
 
+from .contract import forensics_dir, fr_file, request_file, stack_file  # noqa: F401  (named here too)
+
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_ENTRIES = 2000  # collectives kept per rank: a few steps of a large model's FSDP traffic
 POLL_S = 0.2  # how often a rank looks for the launcher's request
@@ -27,22 +29,6 @@ def enabled(env=os.environ) -> bool:
         return int(env.get(FR_BUFFER_ENV) or 0) > 0
     except ValueError:
         return False
-
-
-def forensics_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "forensics"
-
-
-def fr_file(run_dir: Path, rank: int) -> Path:
-    return forensics_dir(run_dir) / "fr" / f"rank_{rank}"
-
-
-def stack_file(run_dir: Path, rank: int) -> Path:
-    return forensics_dir(run_dir) / "stacks" / f"rank{rank}.json"
-
-
-def request_file(run_dir: Path) -> Path:
-    return forensics_dir(run_dir) / "request"
 
 
 def dump(run_dir: Path, rank: int, why: str) -> bool:

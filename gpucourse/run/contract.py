@@ -24,6 +24,10 @@ Run directory:
                                         {"event": "setup"} and {"event": "teardown"} (all attempts
                                         append to the same file)
     traces/<name><r>.json               chrome traces from runtime.profile(name=...) (default "rank")
+    forensics/fr/rank_<r>               rank r's Flight Recorder dump (pickle, as torch writes it), written when the
+                                        launcher asks (forensics/request) or an exception ends the rank (capture.py)
+    forensics/stacks/rank<r>.json       rank r's main-thread Python stack at that moment, and why it dumped
+    forensics/request                   the launcher's request for dumps, which every rank polls for
     raw/rank<r>/<sub>/<case>.pt         grading jobs only: the tensors a case produced on rank r for submission
                                         number <sub>, saved raw (torch.save of a dict) for the grader to check
 The `-node<k>` suffix appears only when one launch starts several agents (nnodes > 1).
@@ -60,10 +64,13 @@ DRYRUN_ENV = "GPUCOURSE_DRYRUN"
 # and devices, no storage (run/fake.py's enter_fake_tensors).
 FAKE_TENSORS_ENV = "GPUCOURSE_FAKE_TENSORS"
 COUNT_FILE_ENV = "GPUCOURSE_COUNT_FILE"
+RANK_FIELD = "{rank}"  # in COUNT_FILE_ENV's path: the rank's number
 
 MANIFEST = "manifest.json"
 RAW_DIR = "raw"
 LOGS_DIR, METRICS_DIR, TRACES_DIR = "logs", "metrics", "traces"
+FORENSICS_DIR = "forensics"
+FR_PREFIX = "rank_"  # torch's own name for a Flight Recorder dump file: <prefix><rank> (TORCH_FR_DUMP_TEMP_FILE)
 STREAMS = ("stdout", "stderr")  # what RunResult.log shows; "error.json" sits beside them
 EVENT_SETUP, EVENT_TEARDOWN = "setup", "teardown"  # values of a metrics record's "event" key
 RUNTIME_EVENTS = (EVENT_SETUP, EVENT_TEARDOWN)  # written by the runtime, not by the script
@@ -246,6 +253,27 @@ def raw_file(run_dir: Path, rank: int, case: str, sub: int = 0) -> Path:
     if not re.fullmatch(r"[\w.+=-]+", case):
         raise ValueError(f"case name {case!r} cannot be a file name: use letters, digits and . + = - _")
     return Path(run_dir) / RAW_DIR / f"rank{rank}" / str(int(sub)) / f"{case}.pt"
+
+
+def forensics_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / FORENSICS_DIR
+
+
+def fr_file(run_dir: Path, rank: int) -> Path:
+    return forensics_dir(run_dir) / "fr" / f"{FR_PREFIX}{rank}"
+
+
+def stack_file(run_dir: Path, rank: int) -> Path:
+    return rank_file(forensics_dir(run_dir) / "stacks", rank, "json")
+
+
+def request_file(run_dir: Path) -> Path:
+    return forensics_dir(run_dir) / "request"
+
+
+def count_file(template: str | Path, rank: int) -> Path:
+    """Where rank `rank` writes its counts: COUNT_FILE_ENV's path, RANK_FIELD in it replaced by the rank."""
+    return Path(str(template).replace(RANK_FIELD, str(rank)))
 
 
 def traces_dir(run_dir: Path) -> Path:

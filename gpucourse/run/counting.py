@@ -8,7 +8,8 @@ counted, and how a step is bounded, is told in run/dryrun.py's docstring.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+
+from .contract import count_file
 
 PARTS = ("params", "grads", "optimizer", "activations", "other")
 
@@ -192,7 +193,7 @@ class StepCounter:
         self._flop_mode.__exit__(None, None, None)
         self.memory.__exit__(None, None, None)
         self._recording.__exit__(None, None, None)
-        path = Path(self.path.replace("{rank}", str(self.rank)))
+        path = count_file(self.path, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(report))

@@ -61,7 +61,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .contract import COUNT_FILE_ENV, DRYRUN_ENV, FAKE_TENSORS_ENV, RUN_DIR_ENV
+from .contract import COUNT_FILE_ENV, DRYRUN_ENV, FAKE_TENSORS_ENV, RANK_FIELD, RUN_DIR_ENV, count_file, rank_file
 # The in-rank side, named here too: what the report's figures are (counting.py), what fake tensors refuse (fake.py).
 from .counting import PARTS, StepCounter, summarise_comms  # noqa: F401
 from .fake import (NO_VALUE, NoValueError, enter_fake_tensors, prepare_fake_group,  # noqa: F401
@@ -128,7 +128,7 @@ def rank_env(rank: int, world: int, *, node_size: int = NODE_SIZE) -> dict:
 
 def _failure(rank: int, work: Path, path: Path, code: int) -> Exception:
     """The rank's exception, as one line naming the script's line; a ValueError or usage error is bad input."""
-    stderr = (work / f"rank{rank}.stderr").read_text(errors="replace")
+    stderr = rank_file(work, rank, "stderr").read_text(errors="replace")
     lines = [re.sub(r"^\[rank\d+\]:\s?", "", ln) for ln in stderr.splitlines()]  # torch's rank prefix
     lines = [ln for ln in lines if ln.strip()]
     where = [m for m in re.finditer(rf'File "({re.escape(str(path.resolve()))}|{re.escape(str(path))})", line (\d+)',
@@ -162,6 +162,7 @@ def dryrun(script, *, world: int, ranks=None, args=(), timeout: float = 600.0, j
         raise DryRunError(f"json_path {json_path}: give a file name in a folder that exists")
     parallel = parallel or max(1, min(len(ranks), os.cpu_count() or 1))
     work = Path(tempfile.mkdtemp(prefix="gpucourse-dryrun-"))
+    counts = rank_file(work, RANK_FIELD, "json")  # each rank's report: rank<r>.json, beside its logs
     started = time.monotonic()
     pending, running, reports = list(ranks), {}, {}
     try:
@@ -169,10 +170,10 @@ def dryrun(script, *, world: int, ranks=None, args=(), timeout: float = 600.0, j
             while pending and len(running) < parallel:
                 r = pending.pop(0)
                 env = {**os.environ, **rank_env(r, world), DRYRUN_ENV: "1", RUN_DIR_ENV: str(work / "run"),
-                       COUNT_FILE_ENV: str(work / "rank{rank}.json"), FAKE_TENSORS_ENV: "1" if fake_tensors else "0",
+                       COUNT_FILE_ENV: str(counts), FAKE_TENSORS_ENV: "1" if fake_tensors else "0",
                        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
                 entry = ["-c", "from gpucourse.run.fake import _run_rank; _run_rank()"] if fake_tensors else []
-                with open(work / f"rank{r}.stdout", "wb") as out, open(work / f"rank{r}.stderr", "wb") as err:
+                with open(rank_file(work, r, "stdout"), "wb") as out, open(rank_file(work, r, "stderr"), "wb") as err:
                     running[r] = subprocess.Popen([sys.executable, *entry, str(path), *args], env=env, stdout=out,
                                                   stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
             time.sleep(0.05)
@@ -185,7 +186,7 @@ def dryrun(script, *, world: int, ranks=None, args=(), timeout: float = 600.0, j
                 del running[r]
                 if code != 0:
                     raise _failure(r, work, path, code)
-                found = work / f"rank{r}.json"
+                found = count_file(counts, r)
                 if not found.is_file():
                     raise DryRunError(f"{path.name} ran as rank {r} but never called runtime.setup(): a dry run "
                                       "needs the course runtime (from gpucourse import runtime; runtime.setup())")

@@ -43,9 +43,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # The in-rank capture, named here too (gpucourse.run.forensics.dump, .enabled, ... as before the split).
-from .capture import (FR_BUFFER_ENV, FR_ENTRIES, POLL_S, dump, enabled, forensics_dir, fr_file,  # noqa: F401
-                      request_file, stack_file, start)
-from .contract import EVENT_SETUP, EVENT_TEARDOWN, exit_failures, failed_by_itself, manifest_file, metrics_file
+from .capture import FR_BUFFER_ENV, FR_ENTRIES, POLL_S, dump, enabled, start  # noqa: F401
+from .contract import (EVENT_SETUP, EVENT_TEARDOWN, exit_failures, failed_by_itself, forensics_dir,  # noqa: F401
+                       fr_file, manifest_file, metrics_file, request_file, stack_file)
 
 WAIT_S = 5.0  # how long the launcher waits for the ranks' dumps before it stops them
 RECENT_S = 15.0  # a request this recent is not repeated

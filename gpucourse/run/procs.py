@@ -1,5 +1,4 @@
-"""In the launcher's and the agent's processes: process-tree bookkeeping, find every process a run started and make sure
-none survives."""
+"""Process-tree bookkeeping: find every process a run started and make sure none survives."""
 from __future__ import annotations
 
 import os

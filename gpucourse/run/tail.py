@@ -1,5 +1,4 @@
-"""In the launcher's process: follow a run directory while it is written, new whole lines from every rank's logs, new
-metrics."""
+"""Follow a run directory while it is written: new whole lines from every rank's logs, new metrics."""
 from __future__ import annotations
 
 import json

@@ -6,7 +6,8 @@ them), runs all its cells in the `lab` of tests/integration/test_browser.py. The
 shows a pane with text or is collapsed to its status line; every widget fits (test_browser.py's assert_fits); no
 output text runs past its box unless it scrolls by design; every image is an <img> the browser decoded;
 no profiler "USDT" line in a live pane. Each launch view, widget and figure is saved as an element screenshot,
-<chapter>-<n>-<what>.png, for a reviewer.
+<chapter>-<n>-<what>.png, for a reviewer. And one numeric problem answered as a learner would: wrong (the hint),
+wrong again (the worked solution), right, each answer recorded in the progress file.
 
 A whole pass takes far longer than CI's browser budget (35-50 min on a loaded 2-core machine), so it carries the
 `browser_pass` marker, deselected by default; `make browser-pass` runs it (GPUCOURSE_BROWSER_SIZES=default: at
@@ -19,13 +20,15 @@ import shutil
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from gpucourse.tools.course import chapter_key, find_notebooks, smoke_parameters, with_parameters
 
 from tests.conftest import ROOT
 from tests.integration.test_browser import (KERNEL_START_S, PANEL, RUN_STATE, assert_fits, assert_nothing_running,
-                                             browser, lab, open_notebook, run_all, shots_dir)
+                                             browser, lab, open_notebook, run_all, save_shot, scroll_to, shots_dir,
+                                             wait_all_ran, write_notebook)
 
 __all__ = ["lab", "browser"]  # fixtures, used by name
 
@@ -206,3 +209,31 @@ def test_chapter_runs_clean_in_the_browser(lab, browser, path):
     print(f"{path.stem}: {len(shots)} screenshots in {shots_dir()}")
     assert not problems, json.dumps(problems, indent=1, default=str)[:6000]
     assert_nothing_running(lab)
+
+
+def test_a_problem_answered_wrong_twice_then_right(lab, browser):
+    """A numeric problem as a learner meets it: a wrong number gets the hint, a second the worked solution, the
+    right one "Correct"; each answer is recorded in the progress file ($GPUCOURSE_PROGRESS) in its order."""
+    from gpucourse import problems
+
+    problem = problems.get("01.busbw-all-reduce")
+    right = f"{problem.answer:.1f}"
+    cells = [nbformat.v4.new_code_cell("import os\nos.environ['GPUCOURSE_PROGRESS'] = 'progress.jsonl'\n"
+                                       "from gpucourse import problems\nproblems.get('01.busbw-all-reduce')")]
+    write_notebook(lab, "problem.ipynb", cells)
+    page = open_notebook(browser, lab, "problem.ipynb")
+    run_all(page)
+    wait_all_ran(page, "problem.ipynb")
+    box = scroll_to(page.locator(".jp-OutputArea-output .widget-vbox").first)
+    typed, feedback = box.locator("input[type=text]"), box.locator(".widget-html-content").last
+    seen = []
+    for answer, says in (("100", "Hint:"), ("101", "Worked solution:"), (right, "Correct:")):
+        typed.fill(answer)
+        box.get_by_role("button", name="Check").click()
+        page.wait_for_function("([el, text]) => el.innerText.includes(text)", arg=[feedback.element_handle(), says])
+        seen.append(feedback.inner_text())
+    save_shot(page, "answered")
+    assert "Worked solution:" not in seen[0] and problem.hint.split(".")[0] in seen[0], seen[0]
+    assert problem.answer_text() in seen[1], seen[1]  # the worked solution states the answer
+    recorded = [json.loads(line) for line in (lab.root / "progress.jsonl").read_text().splitlines()]
+    assert [r["right"] for r in recorded] == [False, False, True], recorded

@@ -241,6 +241,15 @@ def wait_all_ran(page, name: str) -> None:
     assert "error" not in state, f"{name} raised in the browser: {state['error']}"
 
 
+def ran(lab: Lab, browser, name: str, cells: list):
+    """A notebook of `cells` written, opened and run to the end in the lab: its page."""
+    write_notebook(lab, name, cells)
+    page = open_notebook(browser, lab, name)
+    run_all(page)
+    wait_all_ran(page, name)
+    return page
+
+
 def launch_view(page, run_name_prefix: str):
     """The VBox gpucourse.launch displayed for the run whose directory name starts with run_name_prefix."""
     status = page.locator(".widget-html-content", has_text=f" {run_name_prefix}")
@@ -439,11 +448,7 @@ def test_memory_calculator_fits_its_box(lab, browser):
     the plot drawn at its own size. (The title and legend inside the plot are checked in test_memory.py.)"""
     cells = [nbformat.v4.new_code_cell("from gpucourse.widgets import memory_calculator\n"
                                        "memory_calculator(num_params=7.5e9, world_size=64)")]
-    write_notebook(lab, "calculator.ipynb", cells)
-    page = open_notebook(browser, lab, "calculator.ipynb")
-    run_all(page)
-    wait_all_ran(page, "calculator.ipynb")
-    box = drawn_widget(page)
+    box = drawn_widget(ran(lab, browser, "calculator.ipynb", cells))
     save_shot(box, "calculator")
 
     selects, images = box.evaluate(SELECT_FIT), box.evaluate(IMAGE_FIT)

@@ -27,8 +27,8 @@ from gpucourse.tools.course import chapter_key, find_notebooks, smoke_parameters
 
 from tests.conftest import ROOT
 from tests.integration.test_browser import (KERNEL_START_S, PANEL, RUN_STATE, assert_fits, assert_nothing_running,
-                                             browser, lab, open_notebook, run_all, save_shot, scroll_to, shots_dir,
-                                             wait_all_ran, write_notebook)
+                                             browser, lab, open_notebook, ran, run_all, save_shot, scroll_to,
+                                             shots_dir)
 
 __all__ = ["lab", "browser"]  # fixtures, used by name
 
@@ -220,10 +220,7 @@ def test_a_problem_answered_wrong_twice_then_right(lab, browser):
     right = f"{problem.answer:.1f}"
     cells = [nbformat.v4.new_code_cell("import os\nos.environ['GPUCOURSE_PROGRESS'] = 'progress.jsonl'\n"
                                        "from gpucourse import problems\nproblems.get('01.busbw-all-reduce')")]
-    write_notebook(lab, "problem.ipynb", cells)
-    page = open_notebook(browser, lab, "problem.ipynb")
-    run_all(page)
-    wait_all_ran(page, "problem.ipynb")
+    page = ran(lab, browser, "problem.ipynb", cells)
     box = scroll_to(page.locator(".jp-OutputArea-output .widget-vbox").first)
     typed, feedback = box.locator("input[type=text]"), box.locator(".widget-html-content").last
     seen = []

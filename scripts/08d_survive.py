@@ -183,7 +183,9 @@ while True:
         print(f"replica {args.replica} rank {ctx.rank}: step {step}, {members} replica(s) in the quorum", flush=True)
         last_members = members
     together = together + 1 if committed and members == args.replicas else 0 if members < args.replicas else together
-    runtime.log(step=step, total=args.steps, loss=loss.item(), replicas=members, committed=committed,
+    # no total: the run ends once --steps are committed AND --together steps ran with every replica (a bar would
+    # read 206/60 after a long recovery); the live view counts the steps instead
+    runtime.log(step=step, loss=loss.item(), replicas=members, committed=committed,
                 same=checked, healed=healed, attempt=attempt, replica=args.replica, digest=digest(),
                 batches=manager.batches_committed(), t=time.time())
     if committed and ctx.rank == 0:  # how far this group got, for a returning one (written whole, renamed: read whole)

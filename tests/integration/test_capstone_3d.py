@@ -3,10 +3,11 @@ computes what one process computes, and communicates what the formulas say, per 
 
 The run is chapter 13's own (its smoke run, which CI executes anyway: `smoke_chapter`), with the course's counter
 on ($GPUCOURSE_COUNT_FILE: each rank's collectives and point-to-point calls of the last step, by op and process
-group); its arguments are checked to be these tests'. That launch trains chapter 13's six silent bugs, then the
-right code (--bug ...,none): the tests read the right code's records, and the counter's last step is its. The script itself trains the one-process model beside the
-3-D one and compares every step's loss and every gradient (its own shard of it). Then a fake-tensor dry run of its
-first and last ranks, held to the same counts.
+group) in a launch of the right code alone; its arguments are checked to be these tests'. Another launch trains
+chapter 13's six silent bugs, then the right code (--bug ...,none), uncounted: the tests read the right code's
+records. The script itself trains the one-process model beside the 3-D one and compares every step's loss and
+every gradient (its own shard of it). Then a fake-tensor dry run of its first and last ranks, held to the same
+counts.
 """
 import importlib.util
 import json
@@ -42,16 +43,28 @@ def run(smoke_chapter):
     given = json.loads((res.run_dir / "manifest.json").read_text())["args"]
     pairs, ours = dict(zip(given[::2], given[1::2])), {str(k): str(v) for k, v in zip(ARGS[::2], ARGS[1::2])}
     assert ours.items() <= pairs.items(), f"chapter 13's run is not these tests' sizes: {given}"
-    assert (res.run_dir / "counts" / "rank0.json").exists(), "chapter 13's run no longer counts its collectives"
     return res
 
 
 @pytest.fixture(scope="module")
-def counts(run):
+def counted(run, smoke_chapter):
+    """Chapter 13's counted launch: the right code alone, the same arguments, the counter on."""
+    _, runs = smoke_chapter(CHAPTER)
+    res = chapter_run(runs, "13-gpt-3d-counted")
+    assert res.ok, f"{res.run_dir.name}: {res.error.summary if res.error else res.status}"
+    given = json.loads((res.run_dir / "manifest.json").read_text())["args"]
+    pairs, ours = dict(zip(given[::2], given[1::2])), {str(k): str(v) for k, v in zip(ARGS[::2], ARGS[1::2])}
+    assert ours.items() <= pairs.items(), f"chapter 13's counted run is not these tests' sizes: {given}"
+    assert (res.run_dir / "counts" / "rank0.json").exists(), "chapter 13's counted run no longer counts"
+    return res
+
+
+@pytest.fixture(scope="module")
+def counts(counted):
     """{rank: {(op, group): (calls, bytes)}} of the last step."""
     found = {}
     for r in range(WORLD):
-        rec = json.loads((run.run_dir / "counts" / f"rank{r}.json").read_text())
+        rec = json.loads((counted.run_dir / "counts" / f"rank{r}.json").read_text())
         assert rec["step"] == STEPS - 1 and not rec["dry"]
         found[r] = {(c["op"], tuple(c["group"])): (c["calls"], c["bytes"]) for c in rec["comms"]}
     return found
@@ -147,7 +160,7 @@ def test_fsdp_gathers_and_reduces_each_unit_once_a_step_over_dp(counts):
                        **({"all_reduce": 1} if pp == PP - 1 else {})}, (rank, got)
 
 
-def test_a_fake_tensor_dry_run_counts_what_the_real_run_does(run):
+def test_a_fake_tensor_dry_run_counts_what_the_real_run_does(counted):
     """gpucourse dryrun, --fake-tensors, the first and the last rank (first and last stage) of the same world and
     sizes: the same calls and bytes per process group, the same model states as the gloo run counted. (FLOPs are
     not compared: the real run also trains the one-process model; a dry run leaves the check out.)"""
@@ -157,6 +170,6 @@ def test_a_fake_tensor_dry_run_counts_what_the_real_run_does(run):
                     fake_tensors=True)
     assert dry["fake_tensors"]
     for rank in dry["ranks"]:
-        real = json.loads((run.run_dir / "counts" / f"rank{rank['rank']}.json").read_text())
+        real = json.loads((counted.run_dir / "counts" / f"rank{rank['rank']}.json").read_text())
         assert rank["dry"] and rank["step"] == real["step"] == STEPS - 1
         assert rank["comms"] == real["comms"] and rank["model_states"] == real["model_states"]

@@ -68,12 +68,12 @@ What did not compose as-is on CPU/gloo in float64, and what is done instead (eac
   - each PipelineStage is given its shapes (input_args, output_args: stage_shapes) instead of finding them at the
     first step, where the stages run a forward and backward and send each other the shapes: under a dry run's fake
     process group nothing arrives. Then the schedule's opening vote (does every stage know its shapes?) is still
-    sent and read with .item(): gpucourse's dry run lets each stage vote alone (run/dryrun.py, prepare_fake_group).
+    sent and read with .item(): gpucourse's dry run lets each stage vote alone (run/fake.py, prepare_fake_group).
   - counting the run ($GPUCOURSE_COUNT_FILE: gpucourse's step counter, torch's MemTracker inside) made the later
     stages fail: MemTracker's module tracker hooks every module input that needs a gradient, and torch 2.13 refuses
     such a hook on a leaf inside autograd.grad, which is how a stage computes its received activation's gradient
     (smallest reproduction: Linear(4, 4) on a leaf x under ModTracker, then torch.autograd.grad(y, [x])). The
-    counter's tracker now leaves leaf inputs alone (run/dryrun.py, LeafSafeModTracker).
+    counter's tracker now leaves leaf inputs alone (run/counting.py, LeafSafeModTracker).
 
 With --arch llama, and for the dry run at Llama 3 405B's shape:
   - the key/value heads are not copied per query head: scaled_dot_product_attention(enable_gqa=True), whose CPU

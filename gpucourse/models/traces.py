@@ -42,7 +42,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..run.contract import manifest_file, traces_dir
+from ..run.contract import manifest_file, trace_file, traces_dir
 from .units import human_percent
 
 Interval = tuple[float, float]  # (start_us, end_us)
@@ -464,7 +464,7 @@ def analyze_run(result_or_run_dir, *, name: str = "rank") -> RunAnalysis:
                 or max(files) + 1)
     for rank in range(world):
         if rank not in files:
-            problems.append(f"rank {rank}: no trace (expected {run_dir / 'traces' / f'{name}{rank}.json'}); the "
+            problems.append(f"rank {rank}: no trace (expected {trace_file(run_dir, name, rank)}); the "
                             f"rank may have stopped before its profiled steps ended: see its log "
                             f"(result.log({rank}, 'stderr'))")
     if not ranks:

@@ -1,4 +1,4 @@
-"""The process the launcher starts: torchrun's own agent, run in-process and made leak-proof.
+"""In the agent's process, the one the launcher starts: torchrun's own agent, run in-process, made leak-proof.
 
     python -m gpucourse.run.agent EXIT_FILE -- <torchrun options> SCRIPT -- <script arguments>
 
@@ -13,7 +13,7 @@ rendezvous), plus:
   (`--nproc` after the script, for `--nproc-per-node`);
 - it writes EXIT_FILE (JSON): every failed rank's exit code, and the root cause as torchrun saw it;
 - before torchrun stops the ranks (one failed, a restart, a stop), each one still alive writes its Flight
-  Recorder dump and stack into the run directory (run/forensics.py);
+  Recorder dump and stack into the run directory (run/capture.py);
 - with `--logs-specs gpucourse --log-dir DIR`, workers log to `DIR/attempt<k>/rank<r>.{stdout,stderr}`,
   named by *global* rank (the run directory's layout and EXIT_FILE's format: contract.py);
 - when every node is on this machine (`--standalone`, or a loopback rendezvous endpoint), no store of
@@ -204,7 +204,7 @@ def _bind_stores_to_loopback() -> None:
 
 def _dump_before_stopping_workers() -> None:
     """torchrun stops every worker the moment it sees one fail (PContext.close, from its poll): first, each one still
-    alive writes its Flight Recorder dump and stack (run/forensics.py), the evidence of which collective the job
+    alive writes its Flight Recorder dump and stack (run/capture.py), the evidence of which collective the job
     was in. Also before a restart, and when the launcher stops the job (it has asked already: they answer again)."""
     from torch.distributed.elastic.multiprocessing.api import PContext
 

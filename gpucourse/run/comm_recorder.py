@@ -1,4 +1,5 @@
-"""What a submission communicates: the one recorder every grading job uses (the graders' jobs install it in each rank).
+"""In each rank: what a submission communicates, the one recorder every grading job (and the dry run's counter)
+installs in each rank.
 
 A grader must know which collectives and point-to-point calls a submission makes, and how many bytes it sends,
 however it reaches them. `install()` (once per rank, before the submission is imported) wraps every layer a

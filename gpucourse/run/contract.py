@@ -1,4 +1,4 @@
-"""The contract between the launcher, the agent, the ranks and whoever reads a run back.
+"""Both sides: the contract between the launcher, the agent, the ranks and whoever reads a run back.
 
 The launcher (launcher.py) starts the agent (agent.py), the agent starts the ranks, the ranks write
 through the runtime (runtime.py), and the launcher, the live view (tail.py) and RunResult (result.py)
@@ -24,6 +24,10 @@ Run directory:
                                         {"event": "setup"} and {"event": "teardown"} (all attempts
                                         append to the same file)
     traces/<name><r>.json               chrome traces from runtime.profile(name=...) (default "rank")
+    forensics/fr/rank_<r>               rank r's Flight Recorder dump (pickle, as torch writes it), written when the
+                                        launcher asks (forensics/request) or an exception ends the rank (capture.py)
+    forensics/stacks/rank<r>.json       rank r's main-thread Python stack at that moment, and why it dumped
+    forensics/request                   the launcher's request for dumps, which every rank polls for
     raw/rank<r>/<sub>/<case>.pt         grading jobs only: the tensors a case produced on rank r for submission
                                         number <sub>, saved raw (torch.save of a dict) for the grader to check
 The `-node<k>` suffix appears only when one launch starts several agents (nnodes > 1).
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from pathlib import Path
 
 ENV_PREFIX = "GPUCOURSE_"
@@ -56,13 +61,16 @@ STORE_PREFIX_ENV = "GPUCOURSE_STORE_PREFIX"
 # the script ends.
 DRYRUN_ENV = "GPUCOURSE_DRYRUN"
 # With DRYRUN_ENV, FAKE_TENSORS_ENV=1 makes every tensor the rank makes after setup() a FakeTensor: shapes, dtypes
-# and devices, no storage (run/dryrun.py's enter_fake_tensors).
+# and devices, no storage (run/fake.py's enter_fake_tensors).
 FAKE_TENSORS_ENV = "GPUCOURSE_FAKE_TENSORS"
 COUNT_FILE_ENV = "GPUCOURSE_COUNT_FILE"
+RANK_FIELD = "{rank}"  # in COUNT_FILE_ENV's path: the rank's number
 
 MANIFEST = "manifest.json"
 RAW_DIR = "raw"
 LOGS_DIR, METRICS_DIR, TRACES_DIR = "logs", "metrics", "traces"
+FORENSICS_DIR = "forensics"
+FR_PREFIX = "rank_"  # torch's own name for a Flight Recorder dump file: <prefix><rank> (TORCH_FR_DUMP_TEMP_FILE)
 STREAMS = ("stdout", "stderr")  # what RunResult.log shows; "error.json" sits beside them
 EVENT_SETUP, EVENT_TEARDOWN = "setup", "teardown"  # values of a metrics record's "event" key
 RUNTIME_EVENTS = (EVENT_SETUP, EVENT_TEARDOWN)  # written by the runtime, not by the script
@@ -99,25 +107,64 @@ def exit_files(run_dir: Path) -> list[Path]:
 # Who failed first: how an exit file's failure records are read.
 PEER_REPORTS = ("remote worker", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 # How torchrun stops the ranks still running once one has failed (SIGTERM, then SIGKILL after its grace
-# period), and what it forwards when it is stopped itself. A rank ended by one of these did not fail.
+# period), and what it forwards when it is stopped itself. A rank ended by one of these did not fail, except a
+# SIGKILL that came first: nothing was being stopped yet, so it was killed from outside (the kernel's OOM killer, a
+# machine that dies, a script that kills itself as chapter 08b's crash does). See `stopped`.
 STOP_SIGNALS = ("SIGTERM", "SIGKILL", "SIGINT", "SIGHUP")
 
 
 OWN, PEER, STOPPED = "failed on its own", "reported a peer's failure", "stopped by torchrun"
 
 
-def failure_kind(failure: dict) -> str:
-    """How a rank of an exit file's failure records ended: stopped by torchrun (a stop signal), reporting a peer's
-    failure (its message is gloo's "Connection closed by peer", ...), or failed on its own (anything else: an
-    exception, a crash signal, a non-zero exit code)."""
-    if failure.get("signal") in STOP_SIGNALS:
+def signal_name(exitcode: int | None) -> str:
+    """The signal that ended a rank ('SIGKILL' for exit code -9: below zero, an exit code is minus the signal, as
+    torchrun and subprocess report it); '' when no signal did."""
+    if exitcode is None or exitcode >= 0:
+        return ""
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def stopped(exitcode: int | None, ended: float | None = None, first_other: float | None = None) -> bool:
+    """The one rule for "this rank did not fail by itself, it was stopped" (torchrun, or the launcher), shared by
+    the launcher's blame (failure_kind, root_rank) and forensics' reader (diagnose).
+
+    A stop signal (STOP_SIGNALS) stops, except SIGKILL: torchrun sends it only to the ranks that outlived its
+    SIGTERM by the grace period, so after another rank's failure. A SIGKILL no later than every other rank's
+    failure (`ended`, `first_other`: torchrun's timestamps, whole seconds), or one without that context, is the
+    rank's own end: killed from outside. An exit code (1, 3, ...) or another signal (SIGABRT, SIGSEGV) is its own."""
+    name = signal_name(exitcode)
+    if name == "SIGKILL":
+        return ended is not None and first_other is not None and ended > first_other
+    return name in STOP_SIGNALS
+
+
+def failed_by_itself(exitcode: int | None, rank: int | None = None, failures: list[dict] = ()) -> bool:
+    """Whether a rank that ended with `exitcode` failed by itself: it ended non-zero and was not `stopped`. `failures`,
+    the run's exit-file records where known (exit_failures), tell when it and the others ended."""
+    if exitcode in (None, 0):
+        return False
+    mine = next((f for f in failures if f["rank"] == rank), None)
+    first_other = min((f["timestamp"] for f in failures if f["rank"] != rank), default=None)
+    return not stopped(exitcode, mine["timestamp"] if mine else None, first_other)
+
+
+def failure_kind(failure: dict, failures: list[dict] = ()) -> str:
+    """How a rank of an exit file's failure records ended: stopped by torchrun (`stopped`; `failures`, the run's
+    records, say whether a SIGKILL came after another rank's failure), reporting a peer's failure (its message is
+    gloo's "Connection closed by peer", ...), or failed on its own (anything else: an exception, a crash signal, a
+    non-zero exit code)."""
+    if not failed_by_itself(failure["exitcode"], failure["rank"], failures):
         return STOPPED
     return PEER if any(text in json.dumps(failure["message"]) for text in PEER_REPORTS) else OWN
 
 
-def blame_key(failure: dict) -> tuple:
-    """Sort key of an exit file's failure records: the first one is the root cause (see root_rank)."""
-    kind = failure_kind(failure)
+def blame_key(failure: dict, failures: list[dict] = ()) -> tuple:
+    """Sort key of an exit file's failure records (`failures`: all of the run's): the first one is the root cause
+    (see root_rank)."""
+    kind = failure_kind(failure, failures)
     return (kind == STOPPED, kind == PEER, failure["timestamp"], not isinstance(failure["message"], dict),
             failure["rank"])
 
@@ -127,12 +174,25 @@ def root_rank(failures: list[dict]) -> int:
 
     torchrun orders by timestamps of one-second resolution, so ties are common, and a rank that
     aborts (SIGABRT) or crashes (SIGSEGV) ties with the innocent ranks torchrun then SIGTERMs. So:
-    first the ranks that failed on their own (an exception, a crash signal, a non-zero exit code),
-    then those that only report a peer's death (gloo: "typically caused by a remote worker
+    first the ranks that failed on their own (an exception, a crash signal, a non-zero exit code, a SIGKILL
+    that came first), then those that only report a peer's death (gloo: "typically caused by a remote worker
     crashing"), then those torchrun stopped; within each, the earliest, one with a traceback, the
     lowest rank.
     """
-    return min(failures, key=blame_key)["rank"]
+    return min(failures, key=lambda f: blame_key(f, failures))["rank"]
+
+
+def exit_failures(run_dir: Path) -> list[dict]:
+    """Every failure record of a run's exit files (those of status 'failed'), all agents together."""
+    out = []
+    for path in exit_files(run_dir):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("status") == "failed":
+            out.extend(record.get("failures", []))
+    return out
 
 
 def logs_dir(run_dir: Path) -> Path:
@@ -193,6 +253,27 @@ def raw_file(run_dir: Path, rank: int, case: str, sub: int = 0) -> Path:
     if not re.fullmatch(r"[\w.+=-]+", case):
         raise ValueError(f"case name {case!r} cannot be a file name: use letters, digits and . + = - _")
     return Path(run_dir) / RAW_DIR / f"rank{rank}" / str(int(sub)) / f"{case}.pt"
+
+
+def forensics_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / FORENSICS_DIR
+
+
+def fr_file(run_dir: Path, rank: int) -> Path:
+    return forensics_dir(run_dir) / "fr" / f"{FR_PREFIX}{rank}"
+
+
+def stack_file(run_dir: Path, rank: int) -> Path:
+    return rank_file(forensics_dir(run_dir) / "stacks", rank, "json")
+
+
+def request_file(run_dir: Path) -> Path:
+    return forensics_dir(run_dir) / "request"
+
+
+def count_file(template: str | Path, rank: int) -> Path:
+    """Where rank `rank` writes its counts: COUNT_FILE_ENV's path, RANK_FIELD in it replaced by the rank."""
+    return Path(str(template).replace(RANK_FIELD, str(rank)))
 
 
 def traces_dir(run_dir: Path) -> Path:

@@ -1,8 +1,10 @@
-"""Hang forensics: what every rank's Flight Recorder saw when a job stalled, timed out or failed, and whom it blames.
+"""In the launcher's process (a notebook, the CLI): hang forensics, asking the ranks for their Flight Recorder dumps and
+reading them back: what every rank saw when a job stalled, timed out or failed, and whom it blames.
 
 torch's Flight Recorder keeps each rank's recent collectives (op, process group, sequence id, sizes) in a ring
 buffer when TORCH_FR_BUFFER_SIZE is set; the launcher sets it for every job (gloo records too, torch 2.13).
-Collected into the run directory (rank side: `start`, run by runtime.setup; launcher side: `request_dumps`):
+Collected into the run directory (rank side: run/capture.py's `start`, run by runtime.setup; launcher side:
+`request_dumps`):
 
     forensics/fr/rank_<r>          the Flight Recorder dump, as torch writes it (pickle): read by `diagnose` and by
                                    torch's own analyser, `python -m torch.distributed.flight_recorder.fr_trace DIR`
@@ -34,116 +36,21 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pickle
-import signal
-import sys
-import threading
 import time
-import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .contract import EVENT_SETUP, EVENT_TEARDOWN, manifest_file, metrics_file
+# The in-rank capture, named here too (gpucourse.run.forensics.dump, .enabled, ... as before the split).
+from .capture import FR_BUFFER_ENV, FR_ENTRIES, POLL_S, dump, enabled, start  # noqa: F401
+from .contract import (EVENT_SETUP, EVENT_TEARDOWN, exit_failures, failed_by_itself, forensics_dir,  # noqa: F401
+                       fr_file, manifest_file, metrics_file, request_file, stack_file)
 
-FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
-FR_ENTRIES = 2000  # collectives kept per rank: a few steps of a large model's FSDP traffic
-POLL_S = 0.2  # how often a rank looks for the launcher's request
 WAIT_S = 5.0  # how long the launcher waits for the ranks' dumps before it stops them
 RECENT_S = 15.0  # a request this recent is not repeated
 GLOO_SIZE_MISMATCH = "Received data size doesn't match expected size"
 KINDS = ("missing", "straggler", "crash", "order", "shape", "rendezvous")
-
-
-def enabled(env=os.environ) -> bool:
-    """Whether the Flight Recorder records in a job with this environment (TORCH_FR_BUFFER_SIZE=0 turns it off)."""
-    try:
-        return int(env.get(FR_BUFFER_ENV) or 0) > 0
-    except ValueError:
-        return False
-
-
-def forensics_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "forensics"
-
-
-def fr_file(run_dir: Path, rank: int) -> Path:
-    return forensics_dir(run_dir) / "fr" / f"rank_{rank}"
-
-
-def stack_file(run_dir: Path, rank: int) -> Path:
-    return forensics_dir(run_dir) / "stacks" / f"rank{rank}.json"
-
-
-def request_file(run_dir: Path) -> Path:
-    return forensics_dir(run_dir) / "request"
-
-
-# --- in each rank -------------------------------------------------------------------------------------------------
-def dump(run_dir: Path, rank: int, why: str) -> bool:
-    """Write this rank's Flight Recorder buffer and main-thread stack into the run directory. False if the
-    recorder is off (no TORCH_FR_BUFFER_SIZE) or torch has none."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-
-        data = _named_groups(_dump_fr_trace(includeStackTraces=False))  # with C++ stacks: 5 s of symbolizing
-    except (ImportError, RuntimeError):
-        return False
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    stack = [{"file": f.filename, "line": f.lineno, "function": f.name, "code": f.line or ""}
-             for f in (traceback.extract_stack(frame) if frame else [])]
-    for path, payload in ((fr_file(run_dir, rank), data),
-                          (stack_file(run_dir, rank), json.dumps({"rank": rank, "why": why, "time": time.time(),
-                                                                  "pid": os.getpid(), "stack": stack}).encode())):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(payload)
-        tmp.replace(path)  # whole or not at all: the launcher may stop the rank right after
-    return True
-
-
-def _named_groups(data: bytes) -> bytes:
-    """Every process group this rank belongs to, filed in the dump's pg_config under the name its entries use,
-    with its description and global ranks. gloo's dump (torch 2.13) files only the default group, under the name
-    '' with no ranks, while its entries name it '0' (torch's analyser then fails: KeyError) and name subgroups
-    ('2', 'mesh_tp') whose members no dump says. Read from torch's own registry of groups in this process."""
-    trace = pickle.loads(data)
-    config, names = trace.setdefault("pg_config", {}), {e["process_group"][0]: e["process_group"][1]
-                                                        for e in trace.get("entries", [])}
-    if "" in config and "0" in names and "0" not in config:
-        config["0"] = {**config.pop(""), "name": "0", "desc": names["0"]}
-    with contextlib.suppress(Exception):  # a rank that has no process group (any more) keeps torch's config
-        from torch.distributed import distributed_c10d as c10d
-
-        for group, name in dict(c10d._world.pg_names).items():
-            ranks = sorted(c10d._world.pg_group_ranks.get(group, {}))
-            config[name] = {**config.get(name, {}), "name": name, "ranks": str(ranks),
-                            "desc": getattr(group, "group_desc", None) or names.get(name, "undefined")}
-        if "0" in config and config.get("", {}).get("ranks", "[]") == "[]":
-            config.pop("", None)  # torch's nameless stand-in for the default group, filed above as '0'
-    return pickle.dumps(trace)
-
-
-def start(run_dir: Path, rank: int) -> None:
-    """Answer the launcher's requests for a dump (a daemon thread, so a rank stuck in a collective still answers)."""
-    if not enabled():
-        return
-    request = request_file(run_dir)
-
-    def watch():
-        answered = None
-        while True:
-            time.sleep(POLL_S)
-            try:
-                asked = request.read_text()
-            except OSError:
-                continue
-            if asked and asked != answered:
-                answered = asked
-                dump(run_dir, rank, f"asked by the launcher: {asked.strip()}")
-
-    threading.Thread(target=watch, name="gpucourse-forensics", daemon=True).start()
 
 
 # --- in the launcher ----------------------------------------------------------------------------------------------
@@ -269,7 +176,7 @@ class _Group:
 
 def _groups_of(dump: dict, rank: int, world: int, seen: dict[str, set]) -> dict[str, _Group]:
     """{name: _Group} of the groups a rank's dump names: members from its pg_config (the in-rank capture,
-    `_named_groups`, files every group's global ranks), else every rank for the default group and, for another,
+    capture._named_groups, files every group's global ranks), else every rank for the default group and, for another,
     the ranks whose dumps name it (`seen`: all a reader can tell from a dump torch wrote alone)."""
     import ast
 
@@ -335,7 +242,8 @@ def _majority(signatures: dict[int, str]) -> list[int]:
 
 
 def diagnose(run_dir: str | Path, world: int | None = None, exits: dict[int, int | None] | None = None) -> Diagnosis:
-    """Read a run's dumps (and, where given, each rank's exit code: non-zero or a signal means it died) and name
+    """Read a run's dumps (and, where given, each rank's exit code: non-zero means it died, unless torchrun stopped
+    it: contract.failed_by_itself, with the run's exit files for context) and name
     the fault and its process group (the default group, or a subgroup: a DeviceMesh dimension's TP or DP group).
     The world size is read from the run's manifest unless given."""
     run_dir = Path(run_dir)
@@ -445,13 +353,15 @@ def _blocked(run_dir, world, exits, dumps, stacks, seqs, order, before) -> Diagn
     culprits = sorted(p for p in roots if not reached(p, group, seq) and p in group.ranks)
     evidence = [f"rank {r}: in {op} #{seq} of {group}" for r in group.ranks if reached(r, group, seq)]
     finished = _ranks_with_event(run_dir, world, EVENT_TEARDOWN)
+    ended = exit_failures(run_dir)  # when each failed rank ended: a SIGKILL after another's failure was torchrun's
     kinds = set()
     for rank in culprits:
         code = exits.get(rank)
         if rank not in dumps:
-            # Died by itself: a non-zero exit before its work was done, other than torchrun's SIGTERM to the
-            # ranks left after a failure (a rank stuck in its exit then, or its teardown, is not to blame).
-            died = code not in (None, 0, -signal.SIGTERM) and rank not in finished
+            # Died by itself (contract.failed_by_itself, the launcher's rule too): a non-zero exit before its work
+            # was done, other than torchrun stopping the ranks left after a failure (a rank stuck in its exit then,
+            # or its teardown, is not to blame).
+            died = failed_by_itself(code, rank, ended) and rank not in finished
             words = _last_words(run_dir, rank)
             # gloo aborts the process (no Python exception, so no dump) when a peer's message has another size
             kinds.add("shape" if died and GLOO_SIZE_MISMATCH in words else "crash" if died else "missing")

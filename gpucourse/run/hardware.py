@@ -1,4 +1,4 @@
-"""What this machine can run: CPUs, GPUs, interconnect, backends, and where we are (Colab, Kaggle, Slurm).
+"""Both sides: what this machine can run: CPUs, GPUs, interconnect, backends, and where we are (Colab, Kaggle, Slurm).
 
 `gpu_count()` is cheap (no torch import) because the launcher calls it before every run;
 `placement()` is the one rule for a rank's backend and device (the launcher's plan, each rank's runtime and

@@ -1,5 +1,5 @@
-"""`gpucourse.launch` (this module: `gpucourse.run.launcher`): run a script as a real torchrun job, watch every
-rank, leave nothing behind.
+"""In the launcher's process (a notebook, the CLI): `gpucourse.launch` (this module: `gpucourse.run.launcher`) runs a
+script as a real torchrun job, watches every rank, leaves nothing behind.
 
     result = launch("scripts/00_hello.py", nproc=4)
 

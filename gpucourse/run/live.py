@@ -1,4 +1,5 @@
-"""Live views of a running job: plain text (terminal, papermill, CI) or an ipywidgets panel (JupyterLab).
+"""In the launcher's process: live views of a running job, plain text (terminal, papermill, CI) or an ipywidgets panel
+(JupyterLab).
 
 Both are fed by the launcher's monitor loop with batches of whole lines and metric records, so the
 widget sends one bounded update per pane per batch (never `with out:` from a thread, never an

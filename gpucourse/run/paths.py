@@ -1,4 +1,4 @@
-"""Where runs are written: `runs/` at the project root, or $GPUCOURSE_RUNS_DIR."""
+"""Both sides: where runs are written, `runs/` at the project root, or $GPUCOURSE_RUNS_DIR."""
 from __future__ import annotations
 
 import os

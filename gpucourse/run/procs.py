@@ -1,4 +1,5 @@
-"""Process-tree bookkeeping: find every process a run started and make sure none survives."""
+"""In the launcher's and the agent's processes: process-tree bookkeeping, find every process a run started and make sure
+none survives."""
 from __future__ import annotations
 
 import os

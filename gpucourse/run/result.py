@@ -1,4 +1,5 @@
-"""What a run left on disk, read back: `RunResult` (also for runs of earlier sessions).
+"""In the launcher's process (or any reader, later): what a run left on disk, read back, `RunResult` (also for runs of
+earlier sessions).
 
 A run directory holds (contract.py has the names and the formats):
     manifest.json                    command, backend, world size, versions, times, status, exit codes
@@ -18,8 +19,9 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .contract import (EVENT_SETUP, EVENT_TEARDOWN, MANIFEST, RUNTIME_EVENTS, STOP_SIGNALS, STREAMS, blame_key,
-                       exit_files, failure_kind, manifest_file, metrics_files, rank_log, traces_dir)
+from .contract import (EVENT_SETUP, EVENT_TEARDOWN, MANIFEST, RUNTIME_EVENTS, STOPPED, STREAMS, blame_key,
+                       exit_failures, exit_files, failure_kind, manifest_file, metrics_files, rank_log, root_rank,
+                       traces_dir)
 from .forensics import KINDS, diagnose, forensics_dir
 from .paths import project_root, runs_root
 
@@ -186,17 +188,16 @@ class RunResult:
     def failures(self) -> list[RankEnd]:
         """Every rank that failed, by rank, with how it ended and whether the launcher names it the root cause
         (empty for a run that finished, or one the launcher stopped itself)."""
-        records = [f for p in exit_files(self.run_dir) if (e := _read_json(p)) and e.get("status") == "failed"
-                   for f in e["failures"]]
+        records = exit_failures(self.run_dir)
         if not records:
             return []
-        root, first = min(records, key=blame_key)["rank"], min(f["timestamp"] for f in records)
+        root, first = root_rank(records), min(f["timestamp"] for f in records)
         out = []
         for f in sorted(records, key=lambda f: f["rank"]):
             msg = f["message"]
             text = msg.get("message", "") if isinstance(msg, dict) else str(msg or "")
             signal = f.get("signal") if f.get("signal") not in (None, "<N/A>") else ""
-            out.append(RankEnd(f["rank"], f["exitcode"], signal, int(f["timestamp"] - first), failure_kind(f),
+            out.append(RankEnd(f["rank"], f["exitcode"], signal, int(f["timestamp"] - first), failure_kind(f, records),
                                _last_line(text), f["rank"] == root))
         return out
 
@@ -277,13 +278,13 @@ class RunResult:
                 f"<code>{html.escape(str(self.run_dir))}</code></div>")
 
 
-def _after_work(rank: int, code: int, signal: str, exception: str, reason: str) -> str:
+def _after_work(rank: int, code: int, signal: str, exception: str, reason: str, stopped: bool) -> str:
     """The summary of a failure that came after every rank had finished its work."""
     tail = "after every rank had finished its work; the results on disk are complete"
     if exception:  # a Python exception after runtime.teardown()
         return f"rank {rank} failed (exit code {code}) {tail}: {exception}"
     if signal:
-        how = "aborted" if signal == "SIGABRT" else "was stopped" if signal in STOP_SIGNALS else "crashed"
+        how = "aborted" if signal == "SIGABRT" else "was stopped" if stopped else "crashed"
         detail = f"{signal}: {reason}" if reason else signal
     else:
         how, detail = f"exited with code {code}", reason
@@ -294,7 +295,9 @@ def _root_cause_from_exit(run_dir: Path, exits: list[dict], world_size: int) -> 
     failed = [e for e in exits if e.get("status") == "failed"]
     if failed:
         # Each agent (one per node started here) names its own root rank: the same order picks among them.
-        failure = min((next(f for f in e["failures"] if f["rank"] == e["root_rank"]) for e in failed), key=blame_key)
+        records = [f for e in failed for f in e["failures"]]
+        failure = min((next(f for f in e["failures"] if f["rank"] == e["root_rank"]) for e in failed),
+                      key=lambda f: blame_key(f, records))
         rank, code, msg = failure["rank"], failure["exitcode"], failure["message"]
         signal = failure.get("signal") if failure.get("signal") not in (None, "<N/A>") else ""
         stderr_path = rank_log(run_dir, None, rank, "stderr")
@@ -305,7 +308,7 @@ def _root_cause_from_exit(run_dir: Path, exits: list[dict], world_size: int) -> 
             tb = last_traceback(stderr)
         if _work_finished(run_dir, world_size):
             exception = msg.get("message", "") if isinstance(msg, dict) else ""
-            summary = _after_work(rank, code, signal, exception, reason)
+            summary = _after_work(rank, code, signal, exception, reason, failure_kind(failure, records) == STOPPED)
             return RootCause(summary, rank, code, exception or reason, tb if exception else "", signal, True)
         exception = (msg.get("message") if isinstance(msg, dict) else "") or (tb.splitlines()[-1] if tb else "")
         if not exception:

@@ -1,4 +1,4 @@
-"""The in-script runtime: what every course script calls inside each rank.
+"""In each rank: the in-script runtime, what every course script calls.
 
     from gpucourse import runtime
     ctx = runtime.setup(seed=0)          # process group, device, watchdog, error capture
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import forensics, hardware
+from . import capture, hardware
 from .contract import (BACKEND_ENV, COUNT_FILE_ENV, DRYRUN_ENV, EVENT_SETUP, EVENT_TEARDOWN, FAKE_TENSORS_ENV,
                        RUN_DIR_ENV, STORE_PREFIX_ENV, metrics_file, trace_file)
 from .paths import runs_root, slug
@@ -57,7 +57,7 @@ class Context:
 
 _ctx: Context | None = None
 _metrics_file = None
-_counter = None  # dryrun.StepCounter, when $GPUCOURSE_COUNT_FILE asks this rank to count its steps
+_counter = None  # counting.StepCounter, when $GPUCOURSE_COUNT_FILE asks this rank to count its steps
 _fake_mode = None  # the FakeTensorMode of a --fake-tensors dry run, from setup() to teardown()
 
 
@@ -200,9 +200,9 @@ def _record_uncaught_exceptions() -> None:
                 tmp = Path(f"{path}.{os.getpid()}.tmp")
                 tmp.write_text(json.dumps(data))
                 tmp.replace(path)
-        if _ctx is not None and forensics.enabled() and not issubclass(exc_type, KeyboardInterrupt):
+        if _ctx is not None and capture.enabled() and not issubclass(exc_type, KeyboardInterrupt):
             with contextlib.suppress(OSError):
-                forensics.dump(_ctx.run_dir, _ctx.rank, f"{exc_type.__name__}: {exc}")
+                capture.dump(_ctx.run_dir, _ctx.rank, f"{exc_type.__name__}: {exc}")
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
@@ -255,7 +255,7 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
     if dry_run():
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        from .dryrun import prepare_fake_group
+        from .fake import prepare_fake_group
 
         prepare_fake_group()  # what torch needs from peers that a fake group cannot deliver (pipeline stages' vote)
 
@@ -272,13 +272,13 @@ def setup(*, seed: int | None = None, seed_per_rank: bool = True, timeout_s: flo
     if seed is not None:
         seed_everything(seed + (rank if seed_per_rank else 0))
     if fake_tensors() and _fake_mode is None:  # before the counter: its modes then see the fake tensors' ops
-        from .dryrun import enter_fake_tensors
+        from .fake import enter_fake_tensors
 
         _fake_mode = enter_fake_tensors()  # after the process group and seeds; the script's model comes after it
     _start_counting(rank, world_size)
     run_dir = default_run_dir()
     if not dry_run():
-        forensics.start(run_dir, rank)
+        capture.start(run_dir, rank)
     _ctx = Context(rank, local_rank, world_size, local_world, _env_int("GROUP_RANK", 0), backend, device, run_dir)
     _write_record({"event": EVENT_SETUP, "world_size": world_size, "backend": backend, "device": str(device),
                    "pid": os.getpid(), "host": os.uname().nodename})
@@ -291,7 +291,7 @@ def _start_counting(rank: int, world_size: int) -> None:
     global _counter
     path = os.environ.get(COUNT_FILE_ENV)
     if path and _counter is None:
-        from .dryrun import StepCounter
+        from .counting import StepCounter
 
         _counter = StepCounter(str(default_run_dir() / path), rank, world_size, dry=dry_run())
         atexit.register(_counter.finish)  # a script that never calls teardown() still leaves its counts

@@ -1,4 +1,5 @@
-"""Slurm: write the sbatch script that runs a course script on N nodes, one torchrun agent per node.
+"""In the launcher's process (the CLI, a notebook): for Slurm, write the sbatch script that runs a course script on N
+nodes, one torchrun agent per node.
 
     gpucourse slurm scripts/02_ddp.py --nodes 2 --gpus-per-node 4 -- --steps 100
     sbatch runs/slurm/02_ddp.sbatch

@@ -1,4 +1,5 @@
-"""Follow a run directory while it is written: new whole lines from every rank's logs, new metrics."""
+"""In the launcher's process: follow a run directory while it is written, new whole lines from every rank's logs, new
+metrics."""
 from __future__ import annotations
 
 import json

@@ -6,6 +6,7 @@ import pickle
 import time
 from pathlib import Path
 
+from ...run.contract import FR_PREFIX
 from .harness import DOCTOR_JOB, failed_run, launch, needs
 
 WATCHDOG_JOB = DOCTOR_JOB.with_name("watchdog_job.py")
@@ -59,14 +60,14 @@ def check_nccl_watchdog(timeout_s: float = 10.0, sleep_s: float = 120.0):
 
     dumps = Path(tempfile.mkdtemp(prefix="gpucheck-fr-"))
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-           "TORCH_FR_DUMP_TEMP_FILE": str(dumps / "rank_"), "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(dumps / "rank_")}
+           "TORCH_FR_DUMP_TEMP_FILE": str(dumps / FR_PREFIX), "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(dumps / FR_PREFIX)}
     began = time.monotonic()
     res = launch(WATCHDOG_JOB, nproc=1, backend="nccl", name="gpucheck-nccl-watchdog", env=env,
                  args=["--timeout", str(timeout_s), "--sleep", str(sleep_s)], timeout=sleep_s + 60, max_restarts=0)
     took = time.monotonic() - began
     log = res.log(0)
     caught = "Watchdog caught collective operation timeout" in log
-    entries = [e for f in dumps.glob("rank_*") for e in pickle.loads(f.read_bytes()).get("entries", [])]
+    entries = [e for f in dumps.glob(f"{FR_PREFIX}*") for e in pickle.loads(f.read_bytes()).get("entries", [])]
     stuck = [e for e in entries if "all_reduce" in str(e.get("profiling_name")) and e.get("state") != "completed"]
     ok = not res.ok and caught and "survived" not in log and bool(stuck) and took < sleep_s
     return ok, (f"timeout {timeout_s:g} s: the job ended after {took:.0f} s ({res.status}); watchdog's line "

@@ -127,17 +127,25 @@ def signal_name(exitcode: int | None) -> str:
         return f"signal {-exitcode}"
 
 
+# torchrun's SIGTERM grace period: PContext.close sends SIGKILL only to the ranks still alive this long after its
+# SIGTERM (LocalElasticAgent._shutdown's timeout; tests/unit/run/test_contract.py holds it to torch's).
+TORCHRUN_KILL_AFTER_S = 30
+
+
 def stopped(exitcode: int | None, ended: float | None = None, first_other: float | None = None) -> bool:
     """The one rule for "this rank did not fail by itself, it was stopped" (torchrun, or the launcher), shared by
     the launcher's blame (failure_kind, root_rank) and forensics' reader (diagnose).
 
     A stop signal (STOP_SIGNALS) stops, except SIGKILL: torchrun sends it only to the ranks that outlived its
-    SIGTERM by the grace period, so after another rank's failure. A SIGKILL no later than every other rank's
-    failure (`ended`, `first_other`: torchrun's timestamps, whole seconds), or one without that context, is the
-    rank's own end: killed from outside. An exit code (1, 3, ...) or another signal (SIGABRT, SIGSEGV) is its own."""
+    SIGTERM by TORCHRUN_KILL_AFTER_S, so that long after another rank's failure (`ended`, `first_other`:
+    torchrun's timestamps, whole seconds, hence the second's margin). A SIGKILL sooner than that, or one without
+    the timestamps to tell, is the rank's own end: killed from outside (the OOM killer, a script that kills itself).
+    Judged by the gap, not the order: a rank killed from outside is stamped when torchrun notices, its peers with
+    the moment they raised, so under load its stamp can come a second after theirs. An exit code (1, 3, ...) or
+    another signal (SIGABRT, SIGSEGV) is its own."""
     name = signal_name(exitcode)
     if name == "SIGKILL":
-        return ended is not None and first_other is not None and ended > first_other
+        return ended is not None and first_other is not None and ended - first_other >= TORCHRUN_KILL_AFTER_S - 1
     return name in STOP_SIGNALS
 
 

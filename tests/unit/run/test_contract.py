@@ -17,12 +17,22 @@ def test_the_rule():
     for code in (1, 3, -6, -11):
         assert not stopped(code) and failed_by_itself(code)
     assert not stopped(-9) and not stopped(-9, 100, 100) and not stopped(-9, 99, 100)
+    assert not stopped(-9, 101, 100) and not stopped(-9, 110, 100)  # stamped when torchrun noticed: its own still
     # Stopped: torchrun's SIGTERM (or what it forwards), and its SIGKILL after the grace period, later than another
     # rank's failure.
     for code in (-15, -2, -1):
         assert stopped(code) and not failed_by_itself(code)
     assert stopped(-9, 131, 100)
     assert not failed_by_itself(0) and not failed_by_itself(None)
+
+
+def test_the_grace_period_is_torchruns():
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
+    for f in (LocalElasticAgent._shutdown, PContext.close):
+        assert inspect.signature(f).parameters["timeout"].default == contract.TORCHRUN_KILL_AFTER_S
 
 
 def test_kinds_and_root_rank_follow_the_rule():
@@ -33,6 +43,9 @@ def test_kinds_and_root_rank_follow_the_rule():
     assert [failure_kind(f, job) for f in job] == [STOPPED, OWN, STOPPED] and root_rank(job) == 1
     # Chapter 08b's crash: rank 1 SIGKILLs itself, the others report its death: rank 1 is the root cause.
     job = [_failure(0, 1, timestamp=101, message=peer), _failure(1, -9), _failure(2, 1, timestamp=101, message=peer)]
+    assert [failure_kind(f, job) for f in job] == [PEER, OWN, PEER] and root_rank(job) == 1
+    # The same under load: rank 1 stamped when torchrun noticed its death, a second after the peers had raised.
+    job = [_failure(0, 1, timestamp=100, message=peer), _failure(1, -9, 101), _failure(2, 1, 100, message=peer)]
     assert [failure_kind(f, job) for f in job] == [PEER, OWN, PEER] and root_rank(job) == 1
 
 
@@ -53,4 +66,5 @@ def test_forensics_blames_with_the_same_rule(tmp_path, monkeypatch):
         return found.ranks, found.kind, failure_kind(rank_end, failures)
 
     assert fault(_failure(1, -9, 100)) == ([1], "crash", OWN)  # killed first: its own end, by both readings
+    assert fault(_failure(1, -9, 102)) == ([1], "crash", OWN)  # stamped late (CI's failure): still its own
     assert fault(_failure(1, -9, 131)) == ([1], "missing", STOPPED)  # SIGKILLed by torchrun: not a crash

@@ -99,9 +99,12 @@ def test_root_rank_order_without_processes():
     sigterm, sigkill = (-15, "SIGTERM"), (-9, "SIGKILL")
     abort = _failure(1, -6, "SIGABRT")
     assert root_rank([_failure(0, *sigterm), abort, _failure(2, *sigterm), _failure(3, *sigterm)]) == 1
-    # Stopped after torchrun's grace period (SIGKILL), or reporting the peer: still not the root cause.
+    # Stopped after torchrun's grace period (SIGKILL, 30 s after the stop began), or reporting the peer: still not
+    # the root cause. A SIGKILL sooner than the grace period is the rank's own end (contract.stopped).
     peer = {"message": "RuntimeError: Connection closed by peer [127.0.0.1]:1234", "traceback": "..."}
-    assert root_rank([_failure(0, 1, message=peer, timestamp=99), _failure(1, *sigkill), _failure(2, 3)]) == 2
+    assert root_rank([_failure(0, 1, message=peer, timestamp=99), _failure(1, *sigkill, timestamp=130),
+                      _failure(2, 3)]) == 2
+    assert root_rank([_failure(0, 1, message=peer, timestamp=99), _failure(1, *sigkill), _failure(2, 3)]) == 1
     # A crash beats an earlier-stopped rank; among failures of the same kind the earliest wins.
     assert root_rank([_failure(0, *sigterm, timestamp=90), _failure(2, -11, "SIGSEGV")]) == 2
     assert root_rank([_failure(0, -11, "SIGSEGV", timestamp=101), _failure(2, -6, "SIGABRT")]) == 2

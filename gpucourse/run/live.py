@@ -14,6 +14,7 @@ import re
 import sys
 import time
 
+from .contract import EVENT_SETUP
 from .tail import Line
 
 LIVE_ENV = "GPUCOURSE_LIVE"  # "widget", "text" or "off": overrides the automatic choice
@@ -46,9 +47,12 @@ class Progress:
         self.step: dict[int, int] = {}
         self.total: int | None = None
         self.world_size = world_size
+        self.ready: set[int] = set()  # ranks whose runtime.setup() has returned (its "setup" record)
 
     def update(self, records: list[dict]) -> None:
         for rec in records:
+            if rec.get("event") == EVENT_SETUP:
+                self.ready.add(rec["rank"])
             if "total" in rec:
                 self.total = int(rec["total"])
             if "step" in rec:
@@ -62,6 +66,16 @@ class Progress:
         if len(self.step) < self.world_size:
             return 0
         return min(self.step.values()) + 1
+
+    def phase(self) -> str:
+        """What the job is doing before its first step is reported: a launch spends its first seconds (tens, on a
+        loaded laptop) starting Python, importing torch and joining the process group, with nothing to print."""
+        if self.step:
+            return ""
+        n, ready = self.world_size, len(self.ready)
+        if not ready:
+            return f"starting {n} rank(s): Python, torch, the process group"
+        return f"{ready} of {n} rank(s) set up" if ready < n else f"{n} rank(s) set up, first step running"
 
     def text(self) -> str:
         if self.done is None:
@@ -95,8 +109,9 @@ class TextView:
 
 
 class WidgetView:
-    """A status line (state, elapsed time, steps done), a progress bar while the ranks report a total, and tabs:
-    all ranks together, then one pane per rank that has printed (a rank that never prints gets no empty tab)."""
+    """A status line (state, elapsed time, what the ranks do before their first step, then steps done), a progress
+    bar while the ranks report a total, and tabs once a rank prints: all ranks together, then one pane per rank that
+    has printed (a rank that never prints gets no empty tab)."""
 
     MAX_LINES = 200
     FLUSH_EVERY_S = 0.15
@@ -124,7 +139,7 @@ class WidgetView:
         self.panes = {"all": self._pane()}  # "all", then each rank that printed, by rank
         self.buffers = {"all": collections.deque(maxlen=self.MAX_LINES * 2)}
         self.dirty: set = set()
-        self.tabs = w.Tab(children=[self.panes["all"]])
+        self.tabs = w.Tab(children=[self.panes["all"]], layout=w.Layout(display="none"))  # shown at the first line
         self.tabs.set_title(0, "all ranks")
         self.header = header
         self.started = time.monotonic()
@@ -164,6 +179,7 @@ class WidgetView:
             if ln.rank >= self.world_size:
                 continue
             self._tab_of(ln.rank)
+            self.tabs.layout.display = None
             self.buffers["all"].append(with_rank(ln))
             self.buffers[ln.rank].append(ln.text)
             self.dirty.update(("all", ln.rank))
@@ -184,6 +200,8 @@ class WidgetView:
             self.bar_row.layout.display = None
         elapsed = time.monotonic() - self.started
         steps = f", {self.progress.text()}" if self.progress.text() and not self.progress.total else ""
+        if phase := self.progress.phase():
+            steps = f", {phase}"
         self.status.value = self._status_html(f"{self.header} — {elapsed:.1f} s{steps}", status)
         self._last_flush = time.monotonic()
 
@@ -226,7 +244,7 @@ class StatusLine:
             self.last = with_rank(mine[-1])
         self.progress.update(records)
         if time.monotonic() - self._last_flush >= WidgetView.FLUSH_EVERY_S:
-            steps = f", {self.progress.text()}" if self.progress.text() else ""
+            steps = f", {self.progress.text() or self.progress.phase()}" if self.progress.text() or not self.last else ""
             last = f" — {self.last[:100]}" if self.last else ""
             self.slot.value = WidgetView._status_html(
                 f"{self.header} — {time.monotonic() - self.started:.0f} s{steps}{last}", status)

@@ -177,3 +177,23 @@ def test_a_kernel_gets_the_output_style_once_and_a_rank_never(monkeypatch):
     assert shown == [({"application/javascript": live.OUTPUT_STYLE_JS}, True)]
     assert "word-break: normal" in live.OUTPUT_CSS and live.OUTPUT_CSS in live.OUTPUT_STYLE_JS
     assert ".jp-OutputArea-output pre" in live.OUTPUT_CSS and "document.head.appendChild" in live.OUTPUT_STYLE_JS
+
+
+def test_the_status_says_what_a_job_does_before_its_first_step(widget_view):
+    """Issue 47: a launch that prints nothing for its first tens of seconds showed an empty pane and a clock. The
+    status line says what it waits for (the ranks' "setup" records, then the first step), and the tabs come with
+    the first printed line."""
+    widget_view._flush("running")
+    assert "starting 2 rank(s)" in widget_view.status.value and widget_view.tabs.layout.display == "none"
+    widget_view.update([], [{"rank": 1, "event": "setup"}], "running")
+    widget_view._flush("running")
+    assert "1 of 2 rank(s) set up" in widget_view.status.value
+    widget_view.update([], [{"rank": 0, "event": "setup"}], "running")
+    widget_view._flush("running")
+    assert "2 rank(s) set up, first step running" in widget_view.status.value
+    widget_view.update([Line(0, "stdout", "hello")], [{"rank": r, "step": 0, "total": 4} for r in (0, 1)], "running")
+    widget_view._flush("running")
+    assert "set up" not in widget_view.status.value and widget_view.tabs.layout.display is None
+    line = live.StatusLine(SimpleNamespace(value=""), "job", 2)
+    line.update([], [{"rank": 0, "event": "setup"}], "running")
+    assert "1 of 2 rank(s) set up" in line.slot.value

@@ -199,9 +199,8 @@ class WidgetView:
             self.bar_label.value = self.progress.text()
             self.bar_row.layout.display = None
         elapsed = time.monotonic() - self.started
-        steps = f", {self.progress.text()}" if self.progress.text() and not self.progress.total else ""
-        if phase := self.progress.phase():
-            steps = f", {phase}"
+        doing = self.progress.phase() or ("" if self.progress.total else self.progress.text())  # a bar says the rest
+        steps = f", {doing}" if doing else ""
         self.status.value = self._status_html(f"{self.header} — {elapsed:.1f} s{steps}", status)
         self._last_flush = time.monotonic()
 
@@ -244,7 +243,8 @@ class StatusLine:
             self.last = with_rank(mine[-1])
         self.progress.update(records)
         if time.monotonic() - self._last_flush >= WidgetView.FLUSH_EVERY_S:
-            steps = f", {self.progress.text() or self.progress.phase()}" if self.progress.text() or not self.last else ""
+            doing = self.progress.text() or ("" if self.last else self.progress.phase())  # a printed line says more
+            steps = f", {doing}" if doing else ""
             last = f" — {self.last[:100]}" if self.last else ""
             self.slot.value = WidgetView._status_html(
                 f"{self.header} — {time.monotonic() - self.started:.0f} s{steps}{last}", status)

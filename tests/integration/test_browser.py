@@ -745,7 +745,7 @@ def test_many_launches_in_one_cell(lab, browser):
 
 
 def test_printed_words_wrap_whole_and_live_panes_show_their_newest_line(lab, browser):
-    """Issue 47: JupyterLab's output style broke printed words anywhere ("MAS|TER_ADDR"); importing gpucourse puts
+    """JupyterLab's output style broke printed words anywhere ("MAS|TER_ADDR"); importing gpucourse puts
     word-break back to normal on the page, and it stays when the importing cell runs again. A live pane longer
     than its box shows its newest line, not its first."""
     cells = [nbformat.v4.new_code_cell("import gpucourse"),

@@ -100,7 +100,7 @@ def test_course_refuses_unknown_notebook_names():
 
 
 def test_course_runs_notebooks_without_ipykernels_tcp_warning(tmp_path):
-    """Issue 47: `gpucourse course` printed ipykernel's "Kernel is running over TCP without encryption" once per
+    """`gpucourse course` printed ipykernel's "Kernel is running over TCP without encryption" once per
     notebook. Its kernels talk over Unix sockets (tools/course.py, local_kernel_manager): no warning, same run."""
     import subprocess
     import sys

@@ -137,7 +137,7 @@ OWN_ERROR = {"message": "RuntimeError: size mismatch, got input (3), mat (3x4), 
 
 
 def test_chapter_00s_failure_story_is_read_from_the_run(tmp_path):
-    """Issue 47: chapter 00 taught that exit code 1 marks the culprit and -15 the bystanders, under a run whose two
+    """Chapter 00 taught that exit code 1 marks the culprit and -15 the bystanders, under a run whose two
     ranks both exited 1 (gloo: the survivor raises 'Connection closed by peer'). The story is told from the run."""
     from gpucourse.viz.reports import failure_story
 

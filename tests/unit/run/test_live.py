@@ -120,7 +120,7 @@ def test_the_bar_shows_a_count_or_is_not_shown(widget_view):
 
 
 def test_panes_keep_the_newest_line_in_view(widget_view):
-    """Issue 47: a pane longer than its box opened at its first lines, the newest below the fold. Laid out as a
+    """A pane longer than its box opened at its first lines, the newest below the fold. Laid out as a
     reversed column, a scrolling box starts at (and stays anchored to) its bottom."""
     for pane in widget_view.panes.values():
         assert (pane.layout.display, pane.layout.flex_flow, pane.layout.overflow) == ("flex", "column-reverse", "auto")
@@ -164,7 +164,7 @@ def test_a_status_line_says_state_time_steps_and_the_last_line():
 
 
 def test_a_kernel_gets_the_output_style_once_and_a_rank_never(monkeypatch):
-    """Issue 47: printed words cut anywhere by JupyterLab's `word-break: break-all`. In a kernel, the first import
+    """Printed words cut anywhere by JupyterLab's `word-break: break-all`. In a kernel, the first import
     of gpucourse displays the JavaScript that puts a whole-word rule into the page's head (once per kernel);
     outside a kernel nothing is displayed (tests/test_browser.py checks the style the browser computes)."""
     shown = []
@@ -180,7 +180,7 @@ def test_a_kernel_gets_the_output_style_once_and_a_rank_never(monkeypatch):
 
 
 def test_the_status_says_what_a_job_does_before_its_first_step(widget_view):
-    """Issue 47: a launch that prints nothing for its first tens of seconds showed an empty pane and a clock. The
+    """A launch that prints nothing for its first tens of seconds showed an empty pane and a clock. The
     status line says what it waits for (the ranks' "setup" records, then the first step), and the tabs come with
     the first printed line."""
     widget_view._flush("running")

@@ -77,7 +77,7 @@ def test_a_lettered_chapter_follows_its_number_everywhere(tmp_path, monkeypatch)
 
 
 def test_the_workspace_goes_beside_the_clone_it_is_run_in(tmp_path):
-    """Issue 47: two clones, one environment: `gpucourse workspace` run in the second clone (here, from a folder
+    """Two clones, one environment: `gpucourse workspace` run in the second clone (here, from a folder
     inside it) copies that clone's chapters into that clone's mywork/, not the installed package's checkout's."""
     from gpucourse.run.paths import project_root
 

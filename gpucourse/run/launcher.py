@@ -39,9 +39,7 @@ from .tail import RunTailer
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 MAX_NPROC = 256
-POLL_S = 0.25  # the launcher's loop: new lines and records, stops; a live view redrawn 4 times a second
-TRACK_S = 1.0  # how often the loop looks for the job's processes: a scan of /proc, most of the loop's CPU
-MONITOR_S = 0.5  # torchrun's --monitor-interval (default 0.1 s): each look costs its agent a few ms of CPU
+POLL_S = 0.1
 AGENT_GRACE_S = 5.0
 STARTUP_GRACE_S = 60.0  # before a rank's first word, stalls are measured with this much extra slack
 
@@ -182,8 +180,8 @@ class JobPlan:
             nodes = ["--nnodes", str(self.nnodes), "--node-rank", str(node), "--rdzv-backend", "c10d",
                      "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-id", self.rdzv_id]
         return nodes + ["--nproc-per-node", str(self.nproc), "--max-restarts", str(self.max_restarts),
-                        "--monitor-interval", str(MONITOR_S), "--logs-specs", "gpucourse",
-                        "--log-dir", str(logs_dir(self.run_dir)), "--redirects", "3", str(self.script)]
+                        "--logs-specs", "gpucourse", "--log-dir", str(logs_dir(self.run_dir)), "--redirects", "3",
+                        str(self.script)]
 
     def torchrun_line(self, node: int) -> list[str]:
         """The plain torchrun command that node `node`'s agent stands for."""
@@ -275,13 +273,9 @@ class _Job:
         self.agents = agents
         self.seen: dict[int, psutil.Process] = {}
         self.ranks: dict[int, int] = {}  # pid -> global rank
-        self.started = self._tracked = time.monotonic()
+        self.started = time.monotonic()
 
-    def track(self, every: float = 0.0) -> None:
-        """Note every process below the agents, at most once in `every` seconds."""
-        if time.monotonic() - self._tracked < every:
-            return
-        self._tracked = time.monotonic()
+    def track(self) -> None:
         for agent in self.agents:
             for proc in descendants(agent.pid):
                 self.seen.setdefault(proc.pid, proc)
@@ -394,7 +388,7 @@ def _supervise(plan: JobPlan, job: _Job, tailer: RunTailer, view, cancel=None) -
     while not job.finished():
         if cancel is not None and cancel.is_set():
             return _Stop("interrupted", "interrupted (the batch it ran in was interrupted)", job.running_ranks())
-        job.track(every=TRACK_S)
+        job.track()
         lines, records = tailer.poll()
         if any(ln.rank is not None for ln in lines) or records:
             last_activity, heard = time.monotonic(), True

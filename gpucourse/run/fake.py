@@ -1,8 +1,9 @@
 """In each rank of a dry run: fake tensors (--fake-tensors) and the fake process group, made fit for torch.
 
 runtime.setup() (in-rank) calls prepare_fake_group() in any dry run and enter_fake_tensors() with --fake-tensors; the
-driver (run/dryrun.py) starts a --fake-tensors rank through `_run_rank`, so that the patches are in place before the
-script imports anything. What fake tensors do and do not allow is told in run/dryrun.py's docstring.
+driver (run/dryrun.py) forks the ranks from one process that imported torch (`_host`), which runs
+prepare_fake_tensors() in a --fake-tensors rank before the script imports anything. What fake tensors do and do not
+allow is told in run/dryrun.py's docstring.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _outside_fake_mode(fn):
 
 def prepare_fake_tensors() -> None:
     """Make torch fit for a rank whose tensors are fake: called before the script runs (the rank's entry point,
-    `_run_rank`) and again by runtime.setup() before it enters the FakeTensorMode; idempotent.
+    `_as_rank`) and again by runtime.setup() before it enters the FakeTensorMode; idempotent.
 
     - Device meshes are built outside the mode: init_device_mesh and every DeviceMesh method (slicing, flattening,
       concatenating for FSDP x TP) compute on a tensor of rank numbers, which inside the mode would have no values
@@ -119,13 +120,60 @@ def enter_fake_tensors():
     return mode
 
 
-def _run_rank() -> None:
-    """The entry point of a --fake-tensors rank: `python -c ... SCRIPT ARGS` runs SCRIPT as `python SCRIPT ARGS`
-    would, after prepare_fake_tensors() (a script binds init_device_mesh by name on import, before setup())."""
+def _host() -> None:
+    """The dry run's ranks, forked from one process that imported torch once: `python -c ...` started by the driver
+    (run/dryrun.py) in a session of its own. On stdin, one JSON line: {"parallel", "ranks": [{"rank", "env",
+    "argv", "stdout", "stderr", "fake"}]}; on stdout, one JSON line a rank as it ends: {"rank", "code"} (the exit
+    code as subprocess gives it, -9 for SIGKILL). Each rank runs its script as `python SCRIPT ARGS` would, in a
+    child of this process (so the driver's SIGKILL of this session ends them all)."""
+    import gc
+    import json
+    import os
+
+    gc.disable()  # until the fork: no freed holes in the pages the ranks share (gc's documentation)
+    # What every rank of a dry run imports (runtime.setup() imports pipelining, to prepare the fake group; a first
+    # optimizer step, torch._dynamo): ~4-7 CPU-s a rank on a 2-core machine, paid once here
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.pipelining  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+    gc.freeze()  # a child's collections then leave the imported objects (and their shared pages) alone
+    plan = json.loads(sys.stdin.readline())
+    reply = os.fdopen(os.dup(1), "w")
+    pending, running = list(plan["ranks"]), {}
+    while pending or running:
+        while pending and len(running) < plan["parallel"]:
+            job = pending.pop(0)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                gc.enable()
+                reply.close()
+                _as_rank(job)  # returns when the script ends (or raises): this child then exits as python does
+                return
+            running[pid] = job["rank"]
+        pid, status = os.wait()
+        reply.write(json.dumps({"rank": running.pop(pid), "code": os.waitstatus_to_exitcode(status)}) + "\n")
+        reply.flush()
+
+
+def _as_rank(job: dict) -> None:
+    """In a child of _host: become rank job["rank"] (its environment, its log files, its argv) and run the script,
+    after prepare_fake_tensors() in a --fake-tensors rank (a script binds init_device_mesh by name on import)."""
+    import os
     import runpy
 
-    script = sys.argv[1]
-    sys.argv = sys.argv[1:]
+    os.environ.clear()
+    os.environ.update(job["env"])
+    write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    for fd, (path, flags) in enumerate([(os.devnull, os.O_RDONLY), (job["stdout"], write), (job["stderr"], write)]):
+        opened = os.open(path, flags, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    script = job["argv"][0]
+    sys.argv = list(job["argv"])
     sys.path[0] = str(Path(script).resolve().parent)
-    prepare_fake_tensors()
+    if job["fake"]:
+        prepare_fake_tensors()
     runpy.run_path(script, run_name="__main__")

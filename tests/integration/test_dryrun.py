@@ -467,3 +467,45 @@ def test_the_text_report_states_each_assumption_beside_the_figures():
     assert "ASSUMED" not in dryrun_text({"script": "s.py", "world": 8, "ranks": [rank | {"assumptions": []}]})
     assert "fake tensors" not in text and "fake tensors" in dryrun_text(
         {"script": "s.py", "world": 8, "ranks": [rank], "fake_tensors": True}).splitlines()[0]
+
+
+STUCK = '''import os, sys, time
+from pathlib import Path
+from gpucourse import runtime
+ctx = runtime.setup()
+folder, give_up = Path(sys.argv[1]), sys.argv[2] == "give-up"
+(folder / f"rank{ctx.rank}.pid").write_text(str(os.getpid()))
+while give_up and ctx.rank == 1 and not (folder / "rank0.pid").exists():
+    time.sleep(0.1)
+if give_up and ctx.rank == 1:
+    raise RuntimeError("rank 1 gives up")
+time.sleep(600)
+'''
+
+
+@pytest.mark.parametrize("how, says", [("give-up", "rank 1 of the dry run failed (line 10 of stuck.py): "
+                                                   "RuntimeError: rank 1 gives up"),
+                                       ("wait", "the dry run of stuck.py took over 20 s (rank 0 still running)")])
+def test_a_failed_or_late_dry_run_stops_every_rank(tmp_path, how, says):
+    """The ranks are forked from one process (run/fake.py's _host); a rank's failure, or the timeout, ends them all:
+    the one that fails is named with its line, the others are killed, nothing is left running."""
+    import psutil
+
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    with pytest.raises(dr.DryRunFailed) as failed:
+        dr.dryrun(script, world=2, args=[tmp_path, how], timeout=20)
+    assert str(failed.value) == says
+    pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2) if (tmp_path / f"rank{r}.pid").exists()]
+    assert pids and len(set(pids)) == len(pids), pids  # rank 0 ran in each case: it wrote its pid
+    gone, alive = psutil.wait_procs([p for p in map(_process, pids) if p], timeout=10)
+    assert alive == [], f"left running: {alive}"
+
+
+def _process(pid: int):
+    import psutil
+
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None

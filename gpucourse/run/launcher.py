@@ -41,7 +41,7 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi")
 MAX_NPROC = 256
 POLL_S = 0.1
 AGENT_GRACE_S = 5.0
-STARTUP_GRACE_S = 60.0  # before a rank's first word, stalls are measured with this much extra slack
+STARTUP_GRACE_S = 60.0  # before any rank's first word, stalls get this much more, from the last rank's start
 
 
 class LaunchError(RuntimeError):
@@ -384,7 +384,7 @@ def _start(plan: JobPlan) -> _Job:
 def _supervise(plan: JobPlan, job: _Job, tailer: RunTailer, view, cancel=None) -> _Stop | None:
     """Follow the run until its agents end (None), or until it runs out of time, stalls or is cancelled (why it
     must stop)."""
-    last_activity, heard = time.monotonic(), False
+    last_activity, heard, named = time.monotonic(), False, 0
     while not job.finished():
         if cancel is not None and cancel.is_set():
             return _Stop("interrupted", "interrupted (the batch it ran in was interrupted)", job.running_ranks())
@@ -392,6 +392,8 @@ def _supervise(plan: JobPlan, job: _Job, tailer: RunTailer, view, cancel=None) -
         lines, records = tailer.poll()
         if any(ln.rank is not None for ln in lines) or records:
             last_activity, heard = time.monotonic(), True
+        elif not heard and len(job.ranks) > named:  # a rank just started: its start-up grace counts from now
+            last_activity, named = time.monotonic(), len(job.ranks)
         view.update(lines, records, "running")
         now = time.monotonic()
         if plan.timeout and now - job.started > plan.timeout:

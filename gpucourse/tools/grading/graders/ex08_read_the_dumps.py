@@ -45,7 +45,7 @@ STEPS = 3  # a fault strikes at step 0, 1 or 2
 STALL_S = 8  # seconds of silence before the launcher stops a job and asks its ranks for their dumps
 JOB_TIMEOUT_S = 120
 # Jobs at a time (20 ranks): 40 ranks importing torch at once on 2 busy cores were silent past the launcher's
-# start-up grace (68 s) and stopped before their first collective.
+# start-up grace (68 s, counted from the last rank's start) and stopped before their first collective.
 PARALLEL = 5
 CALL_LIMIT_S = 5  # one diagnose call; a few milliseconds are enough
 

@@ -327,7 +327,9 @@ def launch(script, *, nproc: int = 2, args=(), backend: str = "auto", timeout: f
 
     backend: 'auto' (NCCL when each rank has a GPU of its own, else gloo), 'gloo', 'nccl' or 'mpi'.
     timeout: stop the job after this many seconds. stall_timeout: stop it when no rank has printed or
-    logged anything for this long. check: raise LaunchError (with the root cause) unless it succeeded.
+    logged anything for this long (before any rank's first word, STARTUP_GRACE_S more, from the last rank's
+    start: importing torch on a busy machine is not a stall). check: raise LaunchError (with the root cause)
+    unless it succeeded.
     live: how to show it while it runs: None/True (widget in a notebook, text elsewhere), 'text',
     'widget', or False (or a view factory: launch_all's status lines). cancel: stop the job, as interrupted,
     once this event is set (how launch_all stops a batch on Ctrl-C). nnodes > 1 without rdzv_endpoint starts
